@@ -1,0 +1,1 @@
+"""Flax NNX MoE layers (dense, subgroup_capacity, megablox dispatch)."""

@@ -1,0 +1,70 @@
+"""The Python API for training scripts: resolve, validate and the OmegaConf resolver."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from .compose import live_mesh_shape, live_platform, to_config
+from .config import Config
+from .findings import Finding, warning
+from .plan import DispatchPlan, analyse, resolve_config, validate_config
+
+
+def _typed(cfg: Any, mesh: Any) -> tuple[Config, list[Finding]]:
+    """The typed config, with the hardware platform taken from a live mesh."""
+    config = to_config(cfg)
+    platform = live_platform(mesh)
+    notes = []
+    if platform and platform != config.hardware.platform:
+        notes.append(warning(
+            "HARDWARE_PLATFORM_MISMATCH", "hardware",
+            f"hardware={config.hardware.name} is a {config.hardware.platform} chip but the "
+            f"live mesh runs on {platform}; the block uses the {platform} grouped-matmul "
+            f"backend. Set hardware= to the chip you run on for true estimates."))
+        hw = dataclasses.replace(config.hardware, platform=platform)
+        config = dataclasses.replace(config, hardware=hw)
+    return config, notes
+
+
+def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
+    """The DispatchPlan for `cfg` (Config, DictConfig or mapping) on `mesh`.
+
+    `mesh` is a live `jax.sharding.Mesh` (its shape wins over the config's mesh knobs)
+    or None. Raises `ConfigError` listing every finding when any is an error.
+    """
+    config, notes = _typed(cfg, mesh)
+    plan = resolve_config(config, live_mesh_shape(mesh))
+    if notes:
+        plan = dataclasses.replace(plan, findings=tuple(notes) + plan.findings)
+    return plan
+
+
+def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
+    """Every finding for `cfg` on `mesh`; never raises for a bad config."""
+    config, notes = _typed(cfg, mesh)
+    return notes + validate_config(config, live_mesh_shape(mesh))
+
+
+def analyse_any(cfg: Any, mesh: Any = None):
+    """(plan or None, findings) without raising: what the CLI reports."""
+    config, notes = _typed(cfg, mesh)
+    plan, findings = analyse(config, live_mesh_shape(mesh))
+    return plan, notes + findings
+
+
+def _moe_dispatch(path: str = "", *, _root_) -> str:
+    node = OmegaConf.select(_root_, path) if path else _root_
+    return resolve(node).strategy.value
+
+
+def register_resolvers() -> None:
+    """Register `${moe_dispatch:}` (and `${moe_dispatch:path.to.node}`) in OmegaConf.
+
+    The resolver reads the selector's keys (MaxText spelling) from the root of the
+    user's config, or from the node at `path`, and returns the chosen strategy name.
+    Unknown keys in that node are ignored; a config with errors raises ConfigError.
+    """
+    OmegaConf.register_new_resolver("moe_dispatch", _moe_dispatch, replace=True)

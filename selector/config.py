@@ -1,0 +1,130 @@
+"""Typed configuration: the only form of config that selector core and layers see.
+
+The same dataclasses are the Hydra schema (registered in `selector.compose`), so every
+command-line override is type-checked against them. Keys shared with MaxText keep
+MaxText's spelling and sit at the top level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+# Mesh axis names, in MaxText's order. A live mesh may name only some of them.
+MESH_AXES: tuple[str, ...] = (
+    "data",
+    "fsdp",
+    "context",
+    "context_usp_ulysses",
+    "context_autoregressive",
+    "tensor",
+    "expert",
+)
+
+
+class Dispatch(str, enum.Enum):
+    """How the MoE block moves tokens to experts. `auto` lets the selector choose."""
+
+    auto = "auto"
+    dense = "dense"
+    subgroup_capacity = "subgroup_capacity"
+    megablox = "megablox"
+    mlp = "mlp"  # one expert: a plain SwiGLU block, nothing to route
+
+
+class Mode(str, enum.Enum):
+    train = "train"
+    prefill = "prefill"
+    decode = "decode"
+
+
+class OutputFormat(str, enum.Enum):
+    text = "text"
+    json = "json"
+
+
+@dataclass
+class Hardware:
+    """One accelerator chip, as the cost model sees it."""
+
+    name: str = "cpu"
+    platform: str = "cpu"  # cpu | gpu | tpu: picks the grouped-matmul backend
+    memory_gib: float = 16.0  # per device
+    peak_bf16_tflops: float = 1.0  # per device
+    hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
+
+
+@dataclass
+class AxisRules:
+    """Which mesh axes shard which dimension of the MoE block (the axis-roles table).
+
+    Activations are sharded (batch_axes, sequence_axes, embedding); expert weights
+    (expert_axes, embedding, hidden_axes). The defaults follow MaxText's logical axis
+    rules, except that every context axis counts for the sequence (the reported bug).
+    """
+
+    batch: List[str] = field(default_factory=lambda: ["data", "fsdp", "expert"])
+    sequence: List[str] = field(
+        default_factory=lambda: ["context", "context_usp_ulysses", "context_autoregressive"]
+    )
+    experts: List[str] = field(default_factory=lambda: ["expert"])
+    hidden: List[str] = field(default_factory=lambda: ["tensor"])
+
+
+@dataclass
+class Config:
+    """Everything the selector and the layers read. Defaults follow MaxText's base.yml."""
+
+    # Model (MaxText names). Presets live in conf/model/.
+    model_name: str = "tiny"
+    base_emb_dim: int = 64
+    base_moe_mlp_dim: int = 128
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    capacity_factor: float = -1.0  # <= 0: dropless
+    norm_topk_prob: bool = True
+    dtype: str = "bfloat16"
+
+    # Batch and sequence.
+    per_device_batch_size: float = 1.0
+    max_target_length: int = 2048
+    context_parallel_load_balance: bool = True
+
+    # Mesh: ici (within a slice) x dcn (across slices); -1 fills the remaining devices.
+    ici_data_parallelism: int = 1
+    ici_fsdp_parallelism: int = -1
+    ici_context_parallelism: int = 1
+    ici_context_usp_ulysses_parallelism: int = 1
+    ici_context_autoregressive_parallelism: int = 1
+    ici_tensor_parallelism: int = 1
+    ici_expert_parallelism: int = 1
+    dcn_data_parallelism: int = -1
+    dcn_fsdp_parallelism: int = 1
+    dcn_context_parallelism: int = 1
+    dcn_context_usp_ulysses_parallelism: int = 1
+    dcn_context_autoregressive_parallelism: int = 1
+    dcn_tensor_parallelism: int = 1
+    dcn_expert_parallelism: int = 1
+    num_slices: int = 1
+    num_devices: Optional[int] = None  # None: derived from the mesh
+
+    # Our own knobs.
+    mode: Mode = Mode.train
+    dispatch: Dispatch = Dispatch.auto
+    allow_local_batch_inflation: bool = False
+    gmm_tile_rows: int = 128  # grouped-matmul row tile, used for padding estimates
+    output: OutputFormat = OutputFormat.text
+    hardware: Hardware = field(default_factory=Hardware)
+    axis_rules: AxisRules = field(default_factory=AxisRules)
+
+    def parallelism(self, tier: str, axis: str) -> int:
+        """The `{tier}_{axis}_parallelism` knob, tier in {ici, dcn}."""
+        return getattr(self, f"{tier}_{axis}_parallelism")
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}

@@ -1,0 +1,77 @@
+"""Per-device numbers derived from the config and the mesh view (MaxText's batch rule)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .config import Config, Mode
+from .mesh import MeshView
+
+_EPS = 1e-9
+
+
+def is_whole(x: float) -> bool:
+    return abs(x - round(x)) < _EPS * max(1.0, abs(x))
+
+
+@dataclass(frozen=True)
+class PerDevice:
+    """What one device holds in the MoE block for one step.
+
+    global_batch is MaxText's per_device_batch_size x num_devices; the local batch is the
+    sequences each batch shard holds; the sequence is split cp ways; `replication` counts
+    devices that hold the same tokens (axes that shard neither batch nor sequence).
+    """
+
+    num_devices: int
+    batch_shards: int
+    cp: int
+    replication: int
+    global_batch: float
+    local_batch: float
+    seq_len: int  # tokens per sequence in this step (1 when decoding)
+    sub_seq: float
+    tokens_per_device: float
+    capacity_per_subgroup: int | None  # None when dropless (capacity_factor <= 0)
+    expected_tokens_per_expert: float  # per subgroup, under uniform routing
+    gmm_rows: float  # tokens x k: rows of the grouped matmul per device
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def capacity(sub_seq: float, k: int, num_experts: int, capacity_factor: float) -> int | None:
+    """Per-subgroup expert capacity ceil(sub_seq * k / E * capacity_factor)."""
+    if capacity_factor <= 0:
+        return None
+    return max(1, math.ceil(sub_seq * k / num_experts * capacity_factor - _EPS))
+
+
+def per_device(cfg: Config, mesh: MeshView) -> PerDevice:
+    n = mesh.num_devices
+    shards = mesh.batch_shards
+    cp = mesh.cp
+    replication = n // (shards * cp) if n % (shards * cp) == 0 else 1
+    global_batch = cfg.per_device_batch_size * n
+    local_batch = global_batch / shards
+    seq_len = 1 if cfg.mode is Mode.decode else cfg.max_target_length
+    # At decode the one new token per sequence cannot be split: every sequence shard
+    # holds it.
+    sub_seq = seq_len / cp if cfg.mode is not Mode.decode else 1.0
+    tokens = local_batch * sub_seq
+    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    return PerDevice(
+        num_devices=n,
+        batch_shards=shards,
+        cp=cp,
+        replication=replication,
+        global_batch=global_batch,
+        local_batch=local_batch,
+        seq_len=seq_len,
+        sub_seq=sub_seq,
+        tokens_per_device=tokens,
+        capacity_per_subgroup=capacity(sub_seq, k, experts, cfg.capacity_factor),
+        expected_tokens_per_expert=sub_seq * k / experts,
+        gmm_rows=tokens * k,
+    )

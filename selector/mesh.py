@@ -1,0 +1,250 @@
+"""The mesh as the selector sees it: a size per named axis, and which axes shard what.
+
+Sizes come from the config's ici x dcn knobs (MaxText's `-1` fills the remaining
+devices, at most once per tier) or from a live `jax.sharding.Mesh`, whose `.shape`
+wins. No jax import: a live mesh is read through its `.shape` mapping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from .config import MESH_AXES, Config
+from .findings import Finding, error, warning
+
+
+@dataclass(frozen=True)
+class MeshView:
+    """Axis sizes (every known axis, missing ones as 1) and the role of each axis."""
+
+    sizes: tuple[tuple[str, int], ...]
+    batch_axes: tuple[str, ...]
+    sequence_axes: tuple[str, ...]
+    expert_axes: tuple[str, ...]
+    hidden_axes: tuple[str, ...]
+    source: str  # "config" or "live mesh"
+
+    def size(self, axis: str) -> int:
+        return dict(self.sizes).get(axis, 1)
+
+    def product(self, axes) -> int:
+        return math.prod(self.size(a) for a in axes)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(s for _, s in self.sizes)
+
+    @property
+    def batch_shards(self) -> int:
+        return self.product(self.batch_axes)
+
+    @property
+    def cp(self) -> int:
+        """Sequence shards: the product of every axis that shards the sequence."""
+        return self.product(self.sequence_axes)
+
+    @property
+    def replicating_axes(self) -> tuple[str, ...]:
+        """Axes of size > 1 that shard neither batch nor sequence of the tokens."""
+        token_axes = set(self.batch_axes) | set(self.sequence_axes)
+        return tuple(a for a, s in self.sizes if s > 1 and a not in token_axes)
+
+    def as_dict(self) -> dict:
+        return {
+            "sizes": dict(self.sizes),
+            "source": self.source,
+            "roles": {
+                "batch": list(self.batch_axes),
+                "sequence": list(self.sequence_axes),
+                "experts": list(self.expert_axes),
+                "hidden": list(self.hidden_axes),
+            },
+        }
+
+
+def _fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> dict | None:
+    """Sizes of one tier (ici or dcn) with its `-1` filled; None if it cannot be."""
+    sizes = {a: cfg.parallelism(tier, a) for a in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            findings.append(
+                error(
+                    "MESH_AXIS_INVALID",
+                    f"{tier}_{axis}_parallelism",
+                    f"{tier}_{axis}_parallelism={size}: an axis size must be a positive "
+                    "integer, or -1 to fill the remaining devices. Set it to 1 to leave "
+                    "the axis unused.",
+                )
+            )
+            return None
+    fill = [a for a, s in sizes.items() if s == -1]
+    if len(fill) > 1:
+        names = ", ".join(f"{tier}_{a}_parallelism" for a in fill)
+        findings.append(
+            error(
+                "MESH_FILL_AMBIGUOUS",
+                fill[0],
+                f"{names} are all -1; at most one {tier} axis may fill the remaining "
+                "devices. Give the others explicit sizes.",
+            )
+        )
+        return None
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if fill:
+        if devices is None:
+            findings.append(
+                error(
+                    "NUM_DEVICES_UNKNOWN",
+                    "num_devices",
+                    f"{tier}_{fill[0]}_parallelism=-1 fills the remaining devices, but "
+                    "the device count is unknown. Set num_devices=N (or pass a live mesh).",
+                )
+            )
+            return None
+        if devices % fixed:
+            findings.append(
+                error(
+                    "MESH_NOT_DIVISIBLE",
+                    f"{tier}_{fill[0]}_parallelism",
+                    f"The other {tier} axes multiply to {fixed}, which does not divide the "
+                    f"{devices} devices {tier}_{fill[0]}_parallelism=-1 must fill. Make the "
+                    f"product of the {tier} axes divide {devices}.",
+                )
+            )
+            return None
+        sizes[fill[0]] = devices // fixed
+    return sizes
+
+
+def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
+    """Axis sizes (ici x dcn) from the config's knobs, and any problems found."""
+    findings: list[Finding] = []
+    if cfg.num_slices < 1:
+        findings.append(
+            error("MESH_AXIS_INVALID", "num_slices", f"num_slices={cfg.num_slices} must be >= 1: it counts the "
+                  "slices joined over DCN. Use 1 for a single slice.")
+        )
+        return None, findings
+    if cfg.num_devices is not None and cfg.num_devices < 1:
+        findings.append(
+            error(
+                "NUM_DEVICES_INVALID",
+                "num_devices",
+                f"num_devices={cfg.num_devices} must be a positive integer (or unset to "
+                "derive it from the mesh).",
+            )
+        )
+        return None, findings
+    per_slice = None
+    if cfg.num_devices is not None:
+        if cfg.num_devices % cfg.num_slices:
+            findings.append(
+                error(
+                    "MESH_NOT_DIVISIBLE",
+                    "num_slices",
+                    f"num_devices={cfg.num_devices} is not divisible by "
+                    f"num_slices={cfg.num_slices}. Every slice holds the same devices.",
+                )
+            )
+            return None, findings
+        per_slice = cfg.num_devices // cfg.num_slices
+    ici = _fill_tier(cfg, "ici", per_slice, findings)
+    dcn = _fill_tier(cfg, "dcn", cfg.num_slices, findings)
+    if ici is None or dcn is None:
+        return None, findings
+    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    total = math.prod(sizes.values())
+    if math.prod(dcn.values()) != cfg.num_slices:
+        findings.append(
+            error(
+                "MESH_DEVICE_MISMATCH",
+                "num_slices",
+                f"The dcn axes multiply to {math.prod(dcn.values())} but num_slices="
+                f"{cfg.num_slices}. Make the dcn_*_parallelism product equal num_slices.",
+            )
+        )
+    if cfg.num_devices is not None and total != cfg.num_devices:
+        shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
+        findings.append(
+            error(
+                "MESH_DEVICE_MISMATCH",
+                "num_devices",
+                f"The mesh ({shown}) holds {total} devices but num_devices="
+                f"{cfg.num_devices}. Change the ici_/dcn_*_parallelism sizes so they "
+                f"multiply to {cfg.num_devices}, or set one of them to -1.",
+            )
+        )
+    return sizes, findings
+
+
+def mesh_from_live(shape: Mapping[str, int]) -> tuple[dict, list[Finding]]:
+    """Axis sizes from a live mesh's `.shape`; unknown axes are kept and reported."""
+    findings = []
+    sizes = {a: 1 for a in MESH_AXES}
+    for axis, size in shape.items():
+        if axis not in MESH_AXES and size > 1:
+            findings.append(
+                warning(
+                    "MESH_UNKNOWN_AXIS",
+                    "mesh",
+                    f"The mesh axis '{axis}' (size {size}) is none of {', '.join(MESH_AXES)}; "
+                    "the MoE block treats it as replicating the tokens. Rename it, or add "
+                    "it to axis_rules.batch or axis_rules.sequence.",
+                )
+            )
+        sizes[axis] = int(size)
+    return sizes, findings
+
+
+def axis_rule_findings(cfg: Config, known_axes) -> list[Finding]:
+    """Problems in the axis-roles table itself."""
+    findings = []
+    rules = cfg.axis_rules
+    for role in ("batch", "sequence", "experts", "hidden"):
+        for axis in getattr(rules, role):
+            if axis not in known_axes:
+                findings.append(
+                    error(
+                        "AXIS_RULE_UNKNOWN_AXIS",
+                        f"axis_rules.{role}",
+                        f"axis_rules.{role} names '{axis}', which is not a mesh axis "
+                        f"({', '.join(known_axes)}). Remove it or fix its spelling.",
+                    )
+                )
+    both = sorted(set(rules.batch) & set(rules.sequence))
+    if both:
+        findings.append(
+            error(
+                "AXIS_RULE_CONFLICT",
+                "axis_rules",
+                f"{', '.join(both)} shard both the batch and the sequence; an axis can "
+                "shard one token dimension. Remove it from axis_rules.batch or "
+                "axis_rules.sequence.",
+            )
+        )
+    return findings
+
+
+def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):
+    """(MeshView or None, findings). None when the sizes cannot be determined."""
+    if live_shape is not None:
+        sizes, findings = mesh_from_live(live_shape)
+        source = "live mesh"
+    else:
+        sizes, findings = mesh_from_config(cfg)
+        source = "config"
+    if sizes is None:
+        return None, findings
+    findings += axis_rule_findings(cfg, tuple(sizes))
+    rules = cfg.axis_rules
+    view = MeshView(
+        sizes=tuple(sizes.items()),
+        batch_axes=tuple(rules.batch),
+        sequence_axes=tuple(rules.sequence),
+        expert_axes=tuple(rules.experts),
+        hidden_axes=tuple(rules.hidden),
+        source=source,
+    )
+    return view, findings

@@ -1,0 +1,136 @@
+"""resolve / validate on typed config: the pure core of the selector (no jax)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from . import rules
+from .config import Config, Dispatch
+from .cost import Estimate, estimate
+from .derive import PerDevice, per_device
+from .findings import ConfigError, Finding, Severity, errors_in, warning
+from .mesh import MeshView, build_mesh_view
+from .policy import candidates_for, choose, gmm_backend
+
+
+@dataclass(frozen=True)
+class Candidate:
+    estimate: Estimate
+    verdict: str
+    chosen: bool
+
+    @property
+    def strategy(self) -> Dispatch:
+        return self.estimate.strategy
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """The selector's answer: what the MoE block runs, on which axes, and why."""
+
+    strategy: Dispatch
+    reason: str
+    requested: Dispatch
+    mesh: MeshView
+    per_device: PerDevice
+    candidates: tuple[Candidate, ...]
+    findings: tuple[Finding, ...]
+    gmm_backend: str
+
+    @property
+    def cp(self) -> int:
+        return self.per_device.cp
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        return self.mesh.sequence_axes
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.mesh.batch_axes
+
+    @property
+    def errors(self) -> list[Finding]:
+        return errors_in(self.findings)
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity is Severity.warning]
+
+    @property
+    def chosen_estimate(self) -> Estimate:
+        return next(c.estimate for c in self.candidates if c.chosen)
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.strategy.value,
+            "reason": self.reason,
+            "requested": self.requested.value,
+            "cp": self.cp,
+            "gmm_backend": self.gmm_backend,
+            "mesh": self.mesh.as_dict(),
+            "per_device": self.per_device.as_dict(),
+            "candidates": [
+                {**c.estimate.as_dict(), "verdict": c.verdict, "chosen": c.chosen}
+                for c in self.candidates
+            ],
+            "findings": [f.as_dict() for f in self.findings],
+        }
+
+
+def analyse(
+    cfg: Config, live_shape: Mapping[str, int] | None = None
+) -> tuple[DispatchPlan | None, list[Finding]]:
+    """Every finding, and the plan when the config is complete enough to build one."""
+    findings: list[Finding] = []
+    for rule in rules.SETTINGS_RULES:
+        findings += rule(cfg)
+    mesh, mesh_findings = build_mesh_view(cfg, live_shape)
+    findings += mesh_findings
+    if live_shape is not None and cfg.num_devices not in (None, mesh.num_devices):
+        findings.append(warning(
+            "NUM_DEVICES_FROM_MESH", "num_devices",
+            f"num_devices={cfg.num_devices} but the live mesh has {mesh.num_devices} "
+            "devices; the live mesh wins. Drop num_devices or make it match."))
+    if mesh is None or errors_in(findings):
+        return None, findings  # later stages divide by what these checks guard
+
+    dev = per_device(cfg, mesh)
+    for rule in rules.LAYOUT_RULES:
+        findings += rule(cfg, mesh, dev)
+
+    estimates = {s: estimate(s, cfg, mesh, dev) for s in candidates_for(cfg)}
+    if cfg.dispatch is Dispatch.mlp and Dispatch.mlp not in estimates:
+        estimates[Dispatch.mlp] = estimate(Dispatch.mlp, cfg, mesh, dev)
+    strategy, reason, verdicts = choose(cfg, estimates)
+    findings += rules.capacity_settings(cfg, dev, strategy)
+    findings += rules.capacity_too_small(cfg, dev, strategy)
+    findings += rules.memory_fits(cfg, dev, strategy, estimates[strategy])
+
+    plan = DispatchPlan(
+        strategy=strategy,
+        reason=reason,
+        requested=cfg.dispatch,
+        mesh=mesh,
+        per_device=dev,
+        candidates=tuple(
+            Candidate(est, verdicts[s], s is strategy) for s, est in estimates.items()
+        ),
+        findings=tuple(findings),
+        gmm_backend=gmm_backend(cfg),
+    )
+    return plan, findings
+
+
+def resolve_config(cfg: Config, live_shape: Mapping[str, int] | None = None) -> DispatchPlan:
+    """The plan, or ConfigError listing every finding when any is an error."""
+    plan, findings = analyse(cfg, live_shape)
+    if plan is None or errors_in(findings):
+        raise ConfigError(findings)
+    return plan
+
+
+def validate_config(cfg: Config, live_shape: Mapping[str, int] | None = None) -> list[Finding]:
+    """Every finding; never raises for a bad config."""
+    return analyse(cfg, live_shape)[1]

@@ -1,0 +1,105 @@
+"""Render a plan and its findings as a readable report or as JSON."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from .config import Config
+from .derive import is_whole
+from .findings import Finding, errors_in
+from .plan import DispatchPlan
+
+
+def _n(x: float) -> str:
+    return f"{round(x):,}" if is_whole(x) else f"{x:,.4g}"
+
+
+def _wrap(text: str, indent: str) -> str:
+    return textwrap.fill(text, width=92, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding]) -> str:
+    hw = cfg.hardware
+    lines = [
+        f"MoE dispatch plan: {cfg.model_name} (E={cfg.num_experts}, k={cfg.num_experts_per_tok},"
+        f" emb={cfg.base_emb_dim}, hidden={cfg.base_moe_mlp_dim}, {cfg.dtype}), "
+        f"mode={cfg.mode.value}, hardware={hw.name}",
+    ]
+    if plan is not None:
+        mesh, dev = plan.mesh, plan.per_device
+        sizes = "  ".join(f"{a}={s}" for a, s in mesh.sizes)
+        lines += [
+            "",
+            f"Mesh ({mesh.source}, {mesh.num_devices} devices): {sizes}",
+            f"  batch axes     {', '.join(mesh.batch_axes) or '-':<54} -> {dev.batch_shards} shards",
+            f"  sequence axes  {', '.join(mesh.sequence_axes) or '-':<54} -> cp = {dev.cp}",
+            f"  expert axes    {', '.join(mesh.expert_axes) or '-':<54} -> "
+            f"{mesh.product(mesh.expert_axes)}",
+            f"  hidden axes    {', '.join(mesh.hidden_axes) or '-':<54} -> "
+            f"{mesh.product(mesh.hidden_axes)}",
+            "",
+            "Per device",
+            f"  global batch           {_n(dev.global_batch)} sequences "
+            f"(per_device_batch_size {cfg.per_device_batch_size:g} x {dev.num_devices} devices)",
+            f"  local batch            {_n(dev.local_batch)} sequences per batch shard",
+            f"  sequence, sub-sequence {_n(dev.seq_len)}, {_n(dev.sub_seq)} tokens (cp = {dev.cp})",
+            f"  tokens per device      {_n(dev.tokens_per_device)}"
+            + (f" (same tokens on {dev.replication} devices)" if dev.replication > 1 else ""),
+            f"  gmm rows per device    {_n(dev.gmm_rows)} (tokens x k)",
+            "  capacity per subgroup  "
+            + (
+                f"{dev.capacity_per_subgroup} tokens per expert (capacity_factor "
+                f"{cfg.capacity_factor:g}, {dev.expected_tokens_per_expert:.3g} expected)"
+                if dev.capacity_per_subgroup is not None
+                else "dropless (capacity_factor <= 0)"
+            ),
+            "",
+            "Candidates (per device, one MoE layer, one step)",
+            f"  {'strategy':<18} {'TFLOP':>9} {'act GiB':>9} {'wts GiB':>9} {'est ms':>9}"
+            f" {'fits':>5}  verdict",
+        ]
+        for c in plan.candidates:
+            e = c.estimate
+            mark = "*" if c.chosen else " "
+            lines.append(
+                f"{mark} {e.strategy.value:<18} {e.flops / 1e12:>9.3g} "
+                f"{e.activation_bytes / 2**30:>9.3g} {e.weight_bytes / 2**30:>9.3g} "
+                f"{e.time_s * 1e3:>9.3g} {'yes' if e.fits else 'NO':>5}  {c.verdict}"
+            )
+        lines += [
+            "",
+            f"Choice: {plan.strategy.value}"
+            + (f" (grouped matmul: {plan.gmm_backend})" if plan.strategy.value == "megablox" else ""),
+            _wrap(f"why: {plan.reason}", "  "),
+        ]
+    lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
+    for f in findings:
+        lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
+    n_err = len(errors_in(findings))
+    n_warn = len(findings) - n_err
+    lines += [
+        "",
+        f"FAILED: {n_err} error(s), {n_warn} warning(s)" if n_err
+        else f"OK: no errors, {n_warn} warning(s)",
+    ]
+    return "\n".join(lines)
+
+
+def render_json(
+    cfg: Config,
+    plan: DispatchPlan | None,
+    findings: list[Finding],
+    overrides: list[str] | None = None,
+) -> str:
+    """One line of JSON (one per job in a multirun)."""
+    payload = {
+        "overrides": overrides,
+        "ok": not errors_in(findings),
+        "model_name": cfg.model_name,
+        "hardware": cfg.hardware.name,
+        "mode": cfg.mode.value,
+        "plan": plan.as_dict() if plan is not None else None,
+        "findings": [f.as_dict() for f in findings],
+    }
+    return json.dumps(payload, sort_keys=True)

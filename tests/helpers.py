@@ -1,0 +1,15 @@
+"""Shared test helpers."""
+
+import selector
+from selector.config import Config
+
+BASE = ("model=tiny", "mesh=cpu_8")
+
+
+def typed(*overrides: str) -> Config:
+    """The typed config for the tiny model on the 8-device CPU mesh plus overrides."""
+    return selector.to_config(selector.compose([*BASE, *overrides]))
+
+
+def codes(findings) -> set[str]:
+    return {f.code for f in findings}

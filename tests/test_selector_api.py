@@ -1,0 +1,185 @@
+"""The Python API: presets, the reported case, compose from anywhere, the resolver."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import codes, typed
+from omegaconf import OmegaConf
+
+import selector
+from selector import Dispatch
+
+CONF = selector.conf_dir()
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+MESHES = sorted(p.stem for p in (CONF / "mesh").glob("*.yaml"))
+HARDWARE = sorted(p.stem for p in (CONF / "hardware").glob("*.yaml"))
+REPORTED = ("model=qwen3_next_80b_a3b", "ici_context_parallelism=4", "max_target_length=8192")
+
+
+def test_presets_exist():
+    assert {"qwen3_next_80b_a3b", "qwen3_30b_a3b", "mixtral_8x7b", "deepseek_v3", "tiny"} <= set(
+        MODELS
+    )
+    assert {"v5e", "v5p", "v6e", "h100", "h200", "cpu"} <= set(HARDWARE)
+    assert "cpu_8" in MESHES and len(MESHES) >= 4
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_every_preset_composes_and_validates(model, mesh):
+    cfg = selector.to_config(selector.compose([f"model={model}", f"mesh={mesh}"]))
+    assert cfg.model_name == model
+    findings = selector.validate(cfg)  # never raises
+    # One sequence per device and no context parallelism: only memory can be an error.
+    assert codes(f for f in findings if f.severity.value == "error") <= {"MEMORY_EXCEEDED"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_resolves_on_an_h200_node(model):
+    plan = selector.resolve(selector.compose([f"model={model}", "mesh=h200_8"]))
+    assert plan.strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity)
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+def test_every_hardware_preset_overrides_the_mesh_choice(hardware):
+    cfg = selector.to_config(selector.compose(["mesh=h200_8", f"hardware={hardware}"]))
+    assert cfg.hardware.name == hardware and cfg.hardware.memory_gib > 0
+
+
+def test_reported_case_inflates_then_fixes():
+    with pytest.raises(selector.ConfigError) as info:
+        selector.resolve(selector.compose([*REPORTED, "per_device_batch_size=1"]))
+    assert "LOCAL_BATCH_INFLATION" in codes(info.value.findings)
+    plan = selector.resolve(selector.compose([*REPORTED, "per_device_batch_size=0.25"]))
+    assert plan.cp == 4 and plan.per_device.tokens_per_device == 2048
+    assert plan.per_device.local_batch == 1 and plan.per_device.sub_seq == 2048
+
+
+def test_all_three_context_axes_count_for_cp():
+    for axis in ("context", "context_usp_ulysses", "context_autoregressive"):
+        plan = selector.resolve(typed(f"ici_{axis}_parallelism=4", "per_device_batch_size=0.25"))
+        assert plan.cp == 4 and plan.per_device.sub_seq == 512
+    plan = selector.resolve(typed("ici_context_parallelism=2",
+                                  "ici_context_usp_ulysses_parallelism=2",
+                                  "per_device_batch_size=0.25"))
+    assert plan.cp == 4
+
+
+def test_derived_numbers():
+    plan = selector.resolve(typed("ici_context_parallelism=2", "per_device_batch_size=1",
+                                  "allow_local_batch_inflation=true", "capacity_factor=1.25",
+                                  "max_target_length=1024"))
+    d = plan.per_device
+    assert (d.global_batch, d.batch_shards, d.local_batch, d.sub_seq) == (8, 4, 2, 512)
+    assert d.tokens_per_device == 1024 and d.gmm_rows == 2048
+    assert d.capacity_per_subgroup == 160  # ceil(512 * 2 / 8 * 1.25)
+
+
+def test_auto_policy():
+    assert selector.resolve(typed()).strategy is Dispatch.megablox
+    assert selector.resolve(typed("capacity_factor=1.5")).strategy is Dispatch.subgroup_capacity
+    one = selector.resolve(typed("num_experts=1", "num_experts_per_tok=1"))
+    assert one.strategy is Dispatch.mlp
+    # A decode step: few tokens, so per-expert tile padding makes the gmm costlier than dense.
+    decode = selector.resolve(typed("mode=decode", "model=qwen3_30b_a3b", "per_device_batch_size=1"))
+    assert decode.strategy is Dispatch.dense
+    explicit = selector.resolve(typed("dispatch=dense"))
+    assert explicit.strategy is Dispatch.dense and "requested" in explicit.reason
+    verdicts = {c.strategy: c.verdict for c in selector.resolve(typed()).candidates}
+    assert "dropless" in verdicts[Dispatch.subgroup_capacity]
+
+
+def test_plan_is_frozen_and_serialisable():
+    plan = selector.resolve(typed())
+    with pytest.raises(AttributeError):
+        plan.strategy = Dispatch.dense
+    d = plan.as_dict()
+    assert d["strategy"] == "megablox" and d["per_device"]["tokens_per_device"] == 2048
+
+
+def test_compose_from_a_temporary_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = selector.compose(["model=mixtral_8x7b"])
+    assert cfg.num_experts == 8 and cfg.base_emb_dim == 4096
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_installed_package_composes_outside_the_checkout(tmp_path):
+    """The packaged conf/ is found from any directory (not only next to the source)."""
+    code = "import selector; print(selector.compose(['model=deepseek_v3']).num_experts)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "256"
+
+
+def test_live_jax_mesh_shape_wins(jax_cpu8):
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = np.array(jax_cpu8.devices()).reshape(2, 4)
+    mesh = Mesh(devices, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
+    plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu",
+                                              "per_device_batch_size=0.25"]), mesh)
+    assert plan.mesh.source == "live mesh" and plan.cp == 4 and plan.per_device.batch_shards == 2
+    assert plan.gmm_backend == "tiled_gmm"
+    on_h200 = selector.resolve(selector.compose(["model=tiny", "per_device_batch_size=0.25"]), mesh)
+    assert "HARDWARE_PLATFORM_MISMATCH" in codes(on_h200.findings)
+    assert on_h200.gmm_backend == "tiled_gmm"
+
+
+def test_resolver_inside_a_user_hydra_config(tmp_path):
+    """A user's own Hydra app writes `moe_dispatch: ${moe_dispatch:}`."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "train.yaml").write_text(textwrap.dedent("""
+        learning_rate: 3e-4
+        num_devices: 8
+        ici_fsdp_parallelism: 2
+        ici_context_parallelism: 4
+        per_device_batch_size: 0.25
+        max_target_length: 8192
+        num_experts: 64
+        num_experts_per_tok: 8
+        capacity_factor: 1.25
+        moe_dispatch: ${moe_dispatch:}
+        nested:
+          moe: {num_devices: 8, ici_fsdp_parallelism: 8, capacity_factor: -1}
+          dispatch: ${moe_dispatch:nested.moe}
+    """))
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import hydra, selector
+        selector.register_resolvers()
+
+        @hydra.main(version_base=None, config_path="conf", config_name="train")
+        def main(cfg):
+            print(cfg.moe_dispatch, cfg.nested.dispatch)
+            inner = selector.compose(["model=tiny"])  # compose works inside an app too
+            print(inner.model_name)
+
+        main()
+    """))
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    out = subprocess.run([sys.executable, "train.py", "hydra.run.dir=."], cwd=tmp_path,
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["subgroup_capacity", "megablox", "tiny"]
+
+
+def test_resolver_reports_config_errors():
+    selector.register_resolvers()
+    cfg = OmegaConf.create({"num_devices": 8, "ici_context_parallelism": 4,
+                            "per_device_batch_size": 1, "max_target_length": 8192,
+                            "d": "${moe_dispatch:}"})
+    with pytest.raises(Exception, match="LOCAL_BATCH_INFLATION"):
+        _ = cfg.d
+
+
+def test_selector_core_never_imports_jax():
+    code = ("import sys, selector; selector.resolve(selector.compose([]));"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'layers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,84 @@
+"""`python -m selector`: reports, exit codes 0/1/2, JSON, multirun, no tracebacks."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REPORTED = ["model=qwen3_next_80b_a3b", "ici_context_parallelism=4", "max_target_length=8192"]
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selector", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+def test_default_config_reports_and_exits_0(tmp_path):
+    out = run(cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    for part in ("Mesh (config", "Per device", "Candidates", "Choice:", "OK: no errors"):
+        assert part in out.stdout
+    assert list(tmp_path.iterdir()) == []  # a pre-launch check leaves no files behind
+
+
+def test_reported_case_exits_1_with_the_fix():
+    out = run(*REPORTED, "per_device_batch_size=1")
+    assert out.returncode == 1
+    assert "LOCAL_BATCH_INFLATION" in out.stdout and "per_device_batch_size=0.25" in out.stdout
+    assert "8,192" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+def test_reported_case_fixed_exits_0_with_2048_tokens():
+    out = run(*REPORTED, "per_device_batch_size=0.25")
+    assert out.returncode == 0, out.stdout
+    assert "tokens per device      2,048" in out.stdout
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("foo=1", "Unknown setting 'foo'"),
+    ("+foo=1", "Unknown setting 'foo'"),
+    ("ici_contxt_parallelism=2", "Did you mean ici_context_parallelism"),
+    ("ici_context_parallelism=abc", "ici_context_parallelism"),
+    ("per_device_batch_size=", "per_device_batch_size"),
+    ("model=nope", "Available model presets"),
+    ("dispatch=megabox", "megablox"),
+    ("x==", "Cannot parse"),
+])
+def test_unusable_overrides_exit_2_with_one_paragraph(override, expect):
+    out = run(override)
+    assert out.returncode == 2
+    assert expect in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert out.stderr.strip().count("\n") == 0  # one paragraph
+
+
+def test_json_output_for_launch_scripts():
+    out = run(*REPORTED, "per_device_batch_size=0.25", "output=json")
+    assert out.returncode == 0
+    data = json.loads(out.stdout)
+    assert data["ok"] is True and data["plan"]["cp"] == 4
+    assert data["plan"]["per_device"]["tokens_per_device"] == 2048
+    bad = json.loads(run(*REPORTED, "per_device_batch_size=1", "output=json").stdout)
+    assert bad["ok"] is False
+    assert [f["code"] for f in bad["findings"]] == ["LOCAL_BATCH_INFLATION"]
+
+
+def test_multirun_prints_one_report_per_job(tmp_path):
+    out = run("-m", "ici_context_parallelism=1,2,4,8", "per_device_batch_size=0.125",
+              "max_target_length=8192", "output=json", cwd=tmp_path)
+    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["overrides"][0] for r in reports] == [
+        f"ici_context_parallelism={cp}" for cp in (1, 2, 4, 8)]
+    # Only cp=8 holds one sequence per batch shard at this batch size.
+    assert [r["ok"] for r in reports] == [False, False, False, True]
+    assert out.returncode == 1  # the worst job decides
+    assert list(tmp_path.iterdir()) == []
+    text = run("-m", "ici_context_parallelism=4,8", "per_device_batch_size=0.125",
+               "max_target_length=8192", cwd=tmp_path)
+    assert text.stdout.count("=== job: ") == 2 and text.stdout.count("Candidates") == 2
+
+
+def test_bad_value_inside_a_sweep_exits_2():
+    out = run("-m", "ici_context_parallelism=1,x")
+    assert out.returncode == 2 and "ici_context_parallelism=x" in out.stderr
