@@ -19,11 +19,15 @@ def _typed(cfg: Any, mesh: Any) -> tuple[Config, list[Finding]]:
     platform = live_platform(mesh)
     notes = []
     if platform and platform != config.hardware.platform:
-        notes.append(warning(
-            "HARDWARE_PLATFORM_MISMATCH", "hardware",
-            f"hardware={config.hardware.name} is a {config.hardware.platform} chip but the "
-            f"live mesh runs on {platform}; the block uses the {platform} grouped-matmul "
-            f"backend. Set hardware= to the chip you run on for true estimates."))
+        notes.append(
+            warning(
+                "HARDWARE_PLATFORM_MISMATCH",
+                "hardware",
+                f"hardware={config.hardware.name} is a {config.hardware.platform} chip but the "
+                f"live mesh runs on {platform}; the block uses the {platform} grouped-matmul "
+                f"backend. Set hardware= to the chip you run on for true estimates.",
+            )
+        )
         hw = dataclasses.replace(config.hardware, platform=platform)
         config = dataclasses.replace(config, hardware=hw)
     return config, notes

@@ -14,10 +14,10 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -30,8 +30,19 @@ from .report import render_json, render_text
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
 # Hydra flags that change what is composed; with them we leave checking to Hydra.
-_HYDRA_VALUE_FLAGS = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd",
-                      "--experimental-rerun", "--info", "-i", "--shell-completion", "-sc"}
+_HYDRA_VALUE_FLAGS = {
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+}
 _PREFIX = {OverrideType.CHANGE: "", OverrideType.ADD: "+", OverrideType.FORCE_ADD: "++"}
 
 
@@ -40,10 +51,15 @@ def _first_line(text: str) -> str:
 
 
 def _valid_keys() -> list[str]:
-    return sorted(_FIELDS | {f"hardware.{k}" for k in ("name", "platform", "memory_gib",
-                                                        "peak_bf16_tflops", "hbm_bandwidth_gbps")}
-                  | {f"axis_rules.{k}" for k in ("batch", "sequence", "experts", "hidden")}
-                  | {"model", "mesh", "hardware"})
+    return sorted(
+        _FIELDS
+        | {
+            f"hardware.{k}"
+            for k in ("name", "platform", "memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbps")
+        }
+        | {f"axis_rules.{k}" for k in ("batch", "sequence", "experts", "hidden")}
+        | {"model", "mesh", "hardware"}
+    )
 
 
 def explain(exc: BaseException, line: str) -> str:
@@ -53,27 +69,37 @@ def explain(exc: BaseException, line: str) -> str:
     if isinstance(exc, OverrideParseException):
         detail = str(exc).strip().splitlines()
         reason = detail[1] if len(detail) > 1 else _first_line(exc)
-        return (f"Cannot parse the override {line!r} ({reason}). Overrides take the "
-                "form key=value (for example ici_context_parallelism=4); quote values with "
-                "spaces or special characters.")
+        return (
+            f"Cannot parse the override {line!r} ({reason}). Overrides take the "
+            "form key=value (for example ici_context_parallelism=4); quote values with "
+            "spaces or special characters."
+        )
     if isinstance(exc, MissingConfigException):
         m = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
         if m:
             group, option = m.groups()
             options = re.findall(r"^\t(\S+)$", str(exc), flags=re.M)
-            return (f"Unknown option {option!r} for {group}= (override {line!r}). Available "
-                    f"{group} presets: {', '.join(options) or 'none'}.")
+            return (
+                f"Unknown option {option!r} for {group}= (override {line!r}). Available "
+                f"{group} presets: {', '.join(options) or 'none'}."
+            )
         return f"Cannot load the config for override {line!r}: {_first_line(exc)}."
-    if isinstance(cause, ConfigKeyError) or "not in struct" in str(cause) or (
-        cause is not None and "not in" in str(cause) and "Key" in str(cause)
+    if (
+        isinstance(cause, ConfigKeyError)
+        or "not in struct" in str(cause)
+        or (cause is not None and "not in" in str(cause) and "Key" in str(cause))
     ):
         close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        return (f"Unknown setting {key!r} (override {line!r}).{hint} Settings use MaxText's "
-                "spelling; `python -m selector --cfg job` lists every key and its value.")
+        return (
+            f"Unknown setting {key!r} (override {line!r}).{hint} Settings use MaxText's "
+            "spelling; `python -m selector --cfg job` lists every key and its value."
+        )
     if isinstance(cause, ValidationError):
-        return (f"Setting {key!r} cannot take the value in {line!r}: "
-                f"{_first_line(cause)}. Give a value of the setting's type.")
+        return (
+            f"Setting {key!r} cannot take the value in {line!r}: "
+            f"{_first_line(cause)}. Give a value of the setting's type."
+        )
     return f"Cannot apply the override {line!r}: {_first_line(exc)}."
 
 
@@ -117,8 +143,10 @@ def explain_unknown(key: str, lines: list[str]) -> str:
     line = next((ln for ln in lines if ln.lstrip("+").split("=", 1)[0] == key), key)
     close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return (f"Unknown setting {key!r} (override {line!r}): the selector would ignore it.{hint} "
-            "Settings use MaxText's spelling; `python -m selector --cfg job` lists them.")
+    return (
+        f"Unknown setting {key!r} (override {line!r}): the selector would ignore it.{hint} "
+        "Settings use MaxText's spelling; `python -m selector --cfg job` lists them."
+    )
 
 
 def _parses_badly(arg: str) -> bool:
@@ -190,8 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sys.argv = saved
     return job.status
-
-
 
 
 def entry() -> None:

@@ -4,8 +4,9 @@ dataclasses once, and read a live jax mesh without importing jax."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 # Mesh axis names, in MaxText's order. A live mesh may name only some of them.
 MESH_AXES: tuple[str, ...] = (
@@ -60,17 +59,19 @@ class Hardware:
 class AxisRules:
     """Which mesh axes shard which dimension of the MoE block (the axis-roles table).
 
-    Activations are sharded (batch_axes, sequence_axes, embedding); expert weights
-    (expert_axes, embedding, hidden_axes). The defaults follow MaxText's logical axis
-    rules, except that every context axis counts for the sequence (the reported bug).
+    Activations are sharded (batch, sequence, None). Expert weights rest sharded
+    (experts, embed, hidden) and the router kernel (embed, None); the block gathers what
+    it needs. The defaults follow MaxText's logical axis rules, except that every
+    context axis counts for the sequence (the reported bug).
     """
 
-    batch: List[str] = field(default_factory=lambda: ["data", "fsdp", "expert"])
-    sequence: List[str] = field(
+    batch: list[str] = field(default_factory=lambda: ["data", "fsdp", "expert"])
+    sequence: list[str] = field(
         default_factory=lambda: ["context", "context_usp_ulysses", "context_autoregressive"]
     )
-    experts: List[str] = field(default_factory=lambda: ["expert"])
-    hidden: List[str] = field(default_factory=lambda: ["tensor"])
+    experts: list[str] = field(default_factory=lambda: ["expert"])
+    hidden: list[str] = field(default_factory=lambda: ["tensor"])
+    embed: list[str] = field(default_factory=lambda: ["fsdp"])  # weights at rest only
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Config:
     dcn_tensor_parallelism: int = 1
     dcn_expert_parallelism: int = 1
     num_slices: int = 1
-    num_devices: Optional[int] = None  # None: derived from the mesh
+    num_devices: int | None = None  # None: derived from the mesh
 
     # Our own knobs.
     mode: Mode = Mode.train

@@ -8,8 +8,8 @@ wins. No jax import: a live mesh is read through its `.shape` mapping.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .config import MESH_AXES, Config
 from .findings import Finding, error, warning
@@ -24,6 +24,7 @@ class MeshView:
     sequence_axes: tuple[str, ...]
     expert_axes: tuple[str, ...]
     hidden_axes: tuple[str, ...]
+    embed_axes: tuple[str, ...]
     source: str  # "config" or "live mesh"
 
     def size(self, axis: str) -> int:
@@ -60,6 +61,7 @@ class MeshView:
                 "sequence": list(self.sequence_axes),
                 "experts": list(self.expert_axes),
                 "hidden": list(self.hidden_axes),
+                "embed": list(self.embed_axes),
             },
         }
 
@@ -123,8 +125,12 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
     findings: list[Finding] = []
     if cfg.num_slices < 1:
         findings.append(
-            error("MESH_AXIS_INVALID", "num_slices", f"num_slices={cfg.num_slices} must be >= 1: it counts the "
-                  "slices joined over DCN. Use 1 for a single slice.")
+            error(
+                "MESH_AXIS_INVALID",
+                "num_slices",
+                f"num_slices={cfg.num_slices} must be >= 1: it counts the "
+                "slices joined over DCN. Use 1 for a single slice.",
+            )
         )
         return None, findings
     if cfg.num_devices is not None and cfg.num_devices < 1:
@@ -202,7 +208,7 @@ def axis_rule_findings(cfg: Config, known_axes) -> list[Finding]:
     """Problems in the axis-roles table itself."""
     findings = []
     rules = cfg.axis_rules
-    for role in ("batch", "sequence", "experts", "hidden"):
+    for role in ("batch", "sequence", "experts", "hidden", "embed"):
         for axis in getattr(rules, role):
             if axis not in known_axes:
                 findings.append(
@@ -245,6 +251,7 @@ def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):
         sequence_axes=tuple(rules.sequence),
         expert_axes=tuple(rules.experts),
         hidden_axes=tuple(rules.hidden),
+        embed_axes=tuple(rules.embed),
         source=source,
     )
     return view, findings

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from . import rules
 from .config import Config, Dispatch
@@ -11,7 +11,7 @@ from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
 from .findings import ConfigError, Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
-from .policy import candidates_for, choose, gmm_backend
+from .policy import candidates_for, choose, gmm_backend, weights_in_block
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class DispatchPlan:
     candidates: tuple[Candidate, ...]
     findings: tuple[Finding, ...]
     gmm_backend: str
+    expert_weights: str  # what the block does with weights sharded at rest
 
     @property
     def cp(self) -> int:
@@ -69,6 +70,7 @@ class DispatchPlan:
             "requested": self.requested.value,
             "cp": self.cp,
             "gmm_backend": self.gmm_backend,
+            "expert_weights": self.expert_weights,
             "mesh": self.mesh.as_dict(),
             "per_device": self.per_device.as_dict(),
             "candidates": [
@@ -89,10 +91,14 @@ def analyse(
     mesh, mesh_findings = build_mesh_view(cfg, live_shape)
     findings += mesh_findings
     if live_shape is not None and cfg.num_devices not in (None, mesh.num_devices):
-        findings.append(warning(
-            "NUM_DEVICES_FROM_MESH", "num_devices",
-            f"num_devices={cfg.num_devices} but the live mesh has {mesh.num_devices} "
-            "devices; the live mesh wins. Drop num_devices or make it match."))
+        findings.append(
+            warning(
+                "NUM_DEVICES_FROM_MESH",
+                "num_devices",
+                f"num_devices={cfg.num_devices} but the live mesh has {mesh.num_devices} "
+                "devices; the live mesh wins. Drop num_devices or make it match.",
+            )
+        )
     if mesh is None or errors_in(findings):
         return None, findings  # later stages divide by what these checks guard
 
@@ -119,6 +125,7 @@ def analyse(
         ),
         findings=tuple(findings),
         gmm_backend=gmm_backend(cfg),
+        expert_weights=weights_in_block(mesh),
     )
     return plan, findings
 

@@ -70,8 +70,13 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
         lines += [
             "",
             f"Choice: {plan.strategy.value}"
-            + (f" (grouped matmul: {plan.gmm_backend})" if plan.strategy.value == "megablox" else ""),
+            + (
+                f" (grouped matmul: {plan.gmm_backend})"
+                if plan.strategy.value == "megablox"
+                else ""
+            ),
             _wrap(f"why: {plan.reason}", "  "),
+            _wrap(f"expert weights: {plan.expert_weights}", "  "),
         ]
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
     for f in findings:
@@ -80,7 +85,8 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
     n_warn = len(findings) - n_err
     lines += [
         "",
-        f"FAILED: {n_err} error(s), {n_warn} warning(s)" if n_err
+        f"FAILED: {n_err} error(s), {n_warn} warning(s)"
+        if n_err
         else f"OK: no errors, {n_warn} warning(s)",
     ]
     return "\n".join(lines)

@@ -26,13 +26,23 @@ def _fmt(x: float) -> str:
 
 
 def positive_dims(cfg: Config) -> list[Finding]:
-    names = ("base_emb_dim", "base_moe_mlp_dim", "num_experts", "num_experts_per_tok",
-             "max_target_length", "per_device_batch_size", "gmm_tile_rows")
+    names = (
+        "base_emb_dim",
+        "base_moe_mlp_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "max_target_length",
+        "per_device_batch_size",
+        "gmm_tile_rows",
+    )
     return [
-        error("VALUE_NOT_POSITIVE", n,
-              f"{n}={getattr(cfg, n)} must be positive: nothing can be sized from a zero, "
-              f"negative or NaN value. Set {n} to a positive number, or pick a model= "
-              "preset that sets it.")
+        error(
+            "VALUE_NOT_POSITIVE",
+            n,
+            f"{n}={getattr(cfg, n)} must be positive: nothing can be sized from a zero, "
+            f"negative or NaN value. Set {n} to a positive number, or pick a model= "
+            "preset that sets it.",
+        )
         for n in names
         if not getattr(cfg, n) > 0  # also catches NaN
     ]
@@ -40,19 +50,28 @@ def positive_dims(cfg: Config) -> list[Finding]:
 
 def top_k_within_experts(cfg: Config) -> list[Finding]:
     if cfg.num_experts_per_tok > cfg.num_experts > 0:
-        return [error(
-            "TOPK_EXCEEDS_EXPERTS", "num_experts_per_tok",
-            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds num_experts="
-            f"{cfg.num_experts}: a token cannot pick more experts than exist. Set "
-            f"num_experts_per_tok <= {cfg.num_experts}.")]
+        return [
+            error(
+                "TOPK_EXCEEDS_EXPERTS",
+                "num_experts_per_tok",
+                f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds num_experts="
+                f"{cfg.num_experts}: a token cannot pick more experts than exist. Set "
+                f"num_experts_per_tok <= {cfg.num_experts}.",
+            )
+        ]
     return []
 
 
 def known_dtype(cfg: Config) -> list[Finding]:
     if cfg.dtype not in DTYPE_BYTES:
-        return [error("DTYPE_UNKNOWN", "dtype",
-                      f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPE_BYTES)}, so its "
-                      "bytes per element are unknown. Use one of those names.")]
+        return [
+            error(
+                "DTYPE_UNKNOWN",
+                "dtype",
+                f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPE_BYTES)}, so its "
+                "bytes per element are unknown. Use one of those names.",
+            )
+        ]
     return []
 
 
@@ -60,25 +79,38 @@ def hardware_values(cfg: Config) -> list[Finding]:
     hw = cfg.hardware
     names = ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbps")
     return [
-        error("HARDWARE_INVALID", f"hardware.{n}",
-              f"hardware.{n}={getattr(hw, n)} must be positive; pick a preset with "
-              "hardware=<chip> or set the number.")
-        for n in names if not getattr(hw, n) > 0
+        error(
+            "HARDWARE_INVALID",
+            f"hardware.{n}",
+            f"hardware.{n}={getattr(hw, n)} must be positive; pick a preset with "
+            "hardware=<chip> or set the number.",
+        )
+        for n in names
+        if not getattr(hw, n) > 0
     ]
 
 
 def mlp_needs_one_expert(cfg: Config) -> list[Finding]:
     if cfg.dispatch is Dispatch.mlp and cfg.num_experts > 1:
-        return [error(
-            "DISPATCH_MLP_WITH_EXPERTS", "dispatch",
-            f"dispatch=mlp runs one dense MLP, but num_experts={cfg.num_experts}: the "
-            "router would be ignored. Use dispatch=dense (every expert, weighted) or "
-            "dispatch=auto.")]
+        return [
+            error(
+                "DISPATCH_MLP_WITH_EXPERTS",
+                "dispatch",
+                f"dispatch=mlp runs one dense MLP, but num_experts={cfg.num_experts}: the "
+                "router would be ignored. Use dispatch=dense (every expert, weighted) or "
+                "dispatch=auto.",
+            )
+        ]
     return []
 
 
-SETTINGS_RULES = (positive_dims, top_k_within_experts, known_dtype, hardware_values,
-                  mlp_needs_one_expert)
+SETTINGS_RULES = (
+    positive_dims,
+    top_k_within_experts,
+    known_dtype,
+    hardware_values,
+    mlp_needs_one_expert,
+)
 
 
 # --- layout: the mesh and the per-device numbers ------------------------------------
@@ -87,11 +119,15 @@ SETTINGS_RULES = (positive_dims, top_k_within_experts, known_dtype, hardware_val
 def global_batch_whole(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
     if is_whole(dev.global_batch):
         return []
-    return [error(
-        "GLOBAL_BATCH_FRACTIONAL", "per_device_batch_size",
-        f"per_device_batch_size={cfg.per_device_batch_size:g} x {dev.num_devices} devices "
-        f"= {dev.global_batch:g} sequences, not a whole number. Choose "
-        f"per_device_batch_size as a multiple of 1/{dev.num_devices}.")]
+    return [
+        error(
+            "GLOBAL_BATCH_FRACTIONAL",
+            "per_device_batch_size",
+            f"per_device_batch_size={cfg.per_device_batch_size:g} x {dev.num_devices} devices "
+            f"= {dev.global_batch:g} sequences, not a whole number. Choose "
+            f"per_device_batch_size as a multiple of 1/{dev.num_devices}.",
+        )
+    ]
 
 
 def batch_divides_shards(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
@@ -100,13 +136,17 @@ def batch_divides_shards(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fi
     gb = round(dev.global_batch)
     shards = dev.batch_shards
     good = math.lcm(gb, shards) if gb else shards
-    return [error(
-        "BATCH_NOT_DIVISIBLE", "per_device_batch_size",
-        f"The global batch of {gb} sequences does not divide over the {shards} batch "
-        f"shards ({' x '.join(f'{a}={mesh.size(a)}' for a in mesh.batch_axes)}): "
-        f"{dev.local_batch:g} sequences each, so XLA pads or replicates without a word. "
-        f"Make the global batch a multiple of {shards}, e.g. per_device_batch_size="
-        f"{good / dev.num_devices:g} (global batch {good}).")]
+    return [
+        error(
+            "BATCH_NOT_DIVISIBLE",
+            "per_device_batch_size",
+            f"The global batch of {gb} sequences does not divide over the {shards} batch "
+            f"shards ({' x '.join(f'{a}={mesh.size(a)}' for a in mesh.batch_axes)}): "
+            f"{dev.local_batch:g} sequences each, so XLA pads or replicates without a word. "
+            f"Make the global batch a multiple of {shards}, e.g. per_device_batch_size="
+            f"{good / dev.num_devices:g} (global batch {good}).",
+        )
+    ]
 
 
 def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
@@ -117,17 +157,21 @@ def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[F
     fix = cfg.per_device_batch_size / dev.local_batch
     knobs = " x ".join(f"{a}={mesh.size(a)}" for a in mesh.sequence_axes if mesh.size(a) > 1)
     f = error if not cfg.allow_local_batch_inflation else warning
-    return [f(
-        "LOCAL_BATCH_INFLATION", "per_device_batch_size",
-        f"Context parallelism cp={dev.cp} ({knobs}) with per_device_batch_size="
-        f"{cfg.per_device_batch_size:g}: the global batch of {_fmt(dev.global_batch)} "
-        f"sequences over {dev.batch_shards} batch shards puts "
-        f"{_fmt(dev.local_batch)} sequences on each shard, so every device holds "
-        f"{_fmt(dev.tokens_per_device)} tokens, the same as with cp=1. The local batch "
-        f"grew with cp and the sequence sharding saves nothing. Fix: "
-        f"per_device_batch_size={fix:g} (one sequence per batch shard, "
-        f"{_fmt(dev.sub_seq)} tokens per device); or accept it knowingly with "
-        "allow_local_batch_inflation=true.")]
+    return [
+        f(
+            "LOCAL_BATCH_INFLATION",
+            "per_device_batch_size",
+            f"Context parallelism cp={dev.cp} ({knobs}) with per_device_batch_size="
+            f"{cfg.per_device_batch_size:g}: the global batch of {_fmt(dev.global_batch)} "
+            f"sequences over {dev.batch_shards} batch shards puts "
+            f"{_fmt(dev.local_batch)} sequences on each shard, so every device holds "
+            f"{_fmt(dev.tokens_per_device)} tokens, the same as with cp=1. The local batch "
+            f"grew with cp and the sequence sharding saves nothing. Fix: "
+            f"per_device_batch_size={fix:g} (one sequence per batch shard, "
+            f"{_fmt(dev.sub_seq)} tokens per device); or accept it knowingly with "
+            "allow_local_batch_inflation=true.",
+        )
+    ]
 
 
 def sequence_divides_cp(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
@@ -135,38 +179,69 @@ def sequence_divides_cp(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
         return []
     seq = cfg.max_target_length
     if seq % dev.cp:
-        return [error(
-            "SEQUENCE_NOT_DIVISIBLE", "max_target_length",
-            f"max_target_length={seq} is not divisible by cp={dev.cp}; frameworks that "
-            "meet this silently fall back to cp=1 in the MoE block. Use a multiple of "
-            f"{dev.cp} (e.g. {seq - seq % dev.cp or dev.cp}).")]
+        return [
+            error(
+                "SEQUENCE_NOT_DIVISIBLE",
+                "max_target_length",
+                f"max_target_length={seq} is not divisible by cp={dev.cp}; frameworks that "
+                "meet this silently fall back to cp=1 in the MoE block. Use a multiple of "
+                f"{dev.cp} (e.g. {seq - seq % dev.cp or dev.cp}).",
+            )
+        ]
     if cfg.context_parallel_load_balance and seq % (2 * dev.cp):
-        return [error(
-            "SEQUENCE_NOT_DIVISIBLE_LOAD_BALANCE", "max_target_length",
-            f"context_parallel_load_balance=true splits each sequence into 2 x cp = "
-            f"{2 * dev.cp} chunks, but max_target_length={seq} is not divisible by "
-            f"{2 * dev.cp}. Use a multiple of {2 * dev.cp} or set "
-            "context_parallel_load_balance=false.")]
+        return [
+            error(
+                "SEQUENCE_NOT_DIVISIBLE_LOAD_BALANCE",
+                "max_target_length",
+                f"context_parallel_load_balance=true splits each sequence into 2 x cp = "
+                f"{2 * dev.cp} chunks, but max_target_length={seq} is not divisible by "
+                f"{2 * dev.cp}. Use a multiple of {2 * dev.cp} or set "
+                "context_parallel_load_balance=false.",
+            )
+        ]
     return []
 
 
 def experts_divide_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
     shards = mesh.product(mesh.expert_axes)
     if cfg.num_experts % shards:
-        return [error(
-            "EXPERTS_NOT_DIVISIBLE", "ici_expert_parallelism",
-            f"num_experts={cfg.num_experts} is not divisible by the expert axis size "
-            f"{shards}. Use an expert parallelism that divides {cfg.num_experts}.")]
+        return [
+            error(
+                "EXPERTS_NOT_DIVISIBLE",
+                "ici_expert_parallelism",
+                f"num_experts={cfg.num_experts} is not divisible by the expert axis size "
+                f"{shards}. Use an expert parallelism that divides {cfg.num_experts}.",
+            )
+        ]
     return []
 
 
 def hidden_divides_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
     shards = mesh.product(mesh.hidden_axes)
     if cfg.base_moe_mlp_dim % shards:
-        return [error(
-            "HIDDEN_NOT_DIVISIBLE", "ici_tensor_parallelism",
-            f"base_moe_mlp_dim={cfg.base_moe_mlp_dim} is not divisible by the tensor axis "
-            f"size {shards}. Use a tensor parallelism that divides it.")]
+        return [
+            error(
+                "HIDDEN_NOT_DIVISIBLE",
+                "ici_tensor_parallelism",
+                f"base_moe_mlp_dim={cfg.base_moe_mlp_dim} is not divisible by the tensor axis "
+                f"size {shards}. Use a tensor parallelism that divides it.",
+            )
+        ]
+    return []
+
+
+def embed_divides_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    shards = mesh.product(mesh.embed_axes)
+    if cfg.base_emb_dim % shards:
+        return [
+            error(
+                "EMBED_NOT_DIVISIBLE",
+                "ici_fsdp_parallelism",
+                f"base_emb_dim={cfg.base_emb_dim} is not divisible by the {shards} shards "
+                f"({', '.join(mesh.embed_axes)}) the weights rest on. Use an fsdp size that "
+                f"divides {cfg.base_emb_dim}, or move devices to data.",
+            )
+        ]
     return []
 
 
@@ -175,28 +250,44 @@ def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Findi
     if not axes:
         return []
     shown = ", ".join(f"{a}={mesh.size(a)}" for a in axes)
-    return [warning(
-        "TOKENS_REPLICATED", "axis_rules.sequence",
-        f"{shown} shards neither the batch nor the sequence of the MoE block's tokens, "
-        f"so {dev.replication} devices hold the same {_fmt(dev.tokens_per_device)} "
-        "tokens and repeat their routing and dispatch (a hidden axis still splits the "
-        "expert matmuls). To split the tokens too, add the axis to axis_rules.sequence "
-        "(sequence parallelism) or move those devices to data or fsdp.")]
+    return [
+        warning(
+            "TOKENS_REPLICATED",
+            "axis_rules.sequence",
+            f"{shown} shards neither the batch nor the sequence of the MoE block's tokens, "
+            f"so {dev.replication} devices hold the same {_fmt(dev.tokens_per_device)} "
+            "tokens and repeat their routing and dispatch (a hidden axis still splits the "
+            "expert matmuls). To split the tokens too, add the axis to axis_rules.sequence "
+            "(sequence parallelism) or move those devices to data or fsdp.",
+        )
+    ]
 
 
 def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
     if cfg.mode is Mode.decode and dev.cp > 1:
-        return [warning(
-            "DECODE_CONTEXT_PARALLEL", "ici_context_parallelism",
-            f"mode=decode feeds one token per sequence, which cp={dev.cp} cannot split: "
-            f"each of the {dev.cp} sequence shards routes the same token. Use cp=1 for "
-            "decode meshes.")]
+        return [
+            warning(
+                "DECODE_CONTEXT_PARALLEL",
+                "ici_context_parallelism",
+                f"mode=decode feeds one token per sequence, which cp={dev.cp} cannot split: "
+                f"each of the {dev.cp} sequence shards routes the same token. Use cp=1 for "
+                "decode meshes.",
+            )
+        ]
     return []
 
 
-LAYOUT_RULES = (global_batch_whole, batch_divides_shards, local_batch_inflation,
-                sequence_divides_cp, experts_divide_axis, hidden_divides_axis,
-                tokens_replicated, decode_context)
+LAYOUT_RULES = (
+    global_batch_whole,
+    batch_divides_shards,
+    local_batch_inflation,
+    sequence_divides_cp,
+    experts_divide_axis,
+    hidden_divides_axis,
+    embed_divides_axis,
+    tokens_replicated,
+    decode_context,
+)
 
 
 # --- strategy: what the chosen dispatch does with these settings ---------------------
@@ -220,17 +311,25 @@ def poisson_drop_fraction(mean: float, cap: int) -> float:
 def capacity_settings(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[Finding]:
     cf = cfg.capacity_factor
     if strategy is Dispatch.subgroup_capacity and cf <= 0:
-        return [error(
-            "CAPACITY_REQUIRED", "capacity_factor",
-            f"dispatch=subgroup_capacity drops tokens beyond each expert's capacity, but "
-            f"capacity_factor={cf:g} asks for dropless routing. Set capacity_factor > 0 "
-            "(1.0 to 1.5 is usual) or use dispatch=megablox.")]
+        return [
+            error(
+                "CAPACITY_REQUIRED",
+                "capacity_factor",
+                f"dispatch=subgroup_capacity drops tokens beyond each expert's capacity, but "
+                f"capacity_factor={cf:g} asks for dropless routing. Set capacity_factor > 0 "
+                "(1.0 to 1.5 is usual) or use dispatch=megablox.",
+            )
+        ]
     if strategy in DROPLESS and cf > 0:
-        return [warning(
-            "CAPACITY_IGNORED", "capacity_factor",
-            f"capacity_factor={cf:g} has no effect: dispatch={strategy.value} is dropless "
-            "and routes every token. Set capacity_factor=-1 to say so, or "
-            "dispatch=subgroup_capacity to cap expert loads.")]
+        return [
+            warning(
+                "CAPACITY_IGNORED",
+                "capacity_factor",
+                f"capacity_factor={cf:g} has no effect: dispatch={strategy.value} is dropless "
+                "and routes every token. Set capacity_factor=-1 to say so, or "
+                "dispatch=subgroup_capacity to cap expert loads.",
+            )
+        ]
     return []
 
 
@@ -240,21 +339,29 @@ def capacity_too_small(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[
     raw = dev.expected_tokens_per_expert * cfg.capacity_factor
     cap = dev.capacity_per_subgroup
     if raw < 1:
-        return [warning(
-            "CAPACITY_BELOW_ONE", "capacity_factor",
-            f"Per-subgroup capacity is sub_seq x k / E x capacity_factor = "
-            f"{_fmt(dev.sub_seq)} x {cfg.num_experts_per_tok} / {cfg.num_experts} x "
-            f"{cfg.capacity_factor:g} = {raw:.3g}, under one token per expert (rounded up "
-            "to 1). Raise capacity_factor, lower cp, or use dispatch=megablox.")]
+        return [
+            warning(
+                "CAPACITY_BELOW_ONE",
+                "capacity_factor",
+                f"Per-subgroup capacity is sub_seq x k / E x capacity_factor = "
+                f"{_fmt(dev.sub_seq)} x {cfg.num_experts_per_tok} / {cfg.num_experts} x "
+                f"{cfg.capacity_factor:g} = {raw:.3g}, under one token per expert (rounded up "
+                "to 1). Raise capacity_factor, lower cp, or use dispatch=megablox.",
+            )
+        ]
     dropped = poisson_drop_fraction(dev.expected_tokens_per_expert, cap)
     if dropped > DROP_WARNING_FRACTION:
-        return [warning(
-            "DROPS_LIKELY", "capacity_factor",
-            f"Each subgroup of {_fmt(dev.sub_seq)} tokens expects "
-            f"{dev.expected_tokens_per_expert:.3g} tokens per expert against a capacity "
-            f"of {cap}; even perfectly uniform routing would drop about {dropped:.1%} "
-            "of assignments. Raise capacity_factor, use longer sub-sequences (lower cp), "
-            "or dispatch=megablox.")]
+        return [
+            warning(
+                "DROPS_LIKELY",
+                "capacity_factor",
+                f"Each subgroup of {_fmt(dev.sub_seq)} tokens expects "
+                f"{dev.expected_tokens_per_expert:.3g} tokens per expert against a capacity "
+                f"of {cap}; even perfectly uniform routing would drop about {dropped:.1%} "
+                "of assignments. Raise capacity_factor, use longer sub-sequences (lower cp), "
+                "or dispatch=megablox.",
+            )
+        ]
     return []
 
 
@@ -262,10 +369,14 @@ def memory_fits(cfg: Config, dev: PerDevice, strategy: Dispatch, est: Estimate) 
     if est.fits:
         return []
     gib = est.memory_bytes / 2**30
-    return [error(
-        "MEMORY_EXCEEDED", "dispatch",
-        f"dispatch={strategy.value} needs about {gib:.1f} GiB per device in the MoE block "
-        f"({est.activation_bytes / 2**30:.1f} GiB activations, "
-        f"{est.weight_bytes / 2**30:.1f} GiB gathered expert weights), more than the "
-        f"{cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}. Raise cp or the batch "
-        "shards, lower per_device_batch_size, or pick a lighter dispatch.")]
+    return [
+        error(
+            "MEMORY_EXCEEDED",
+            "dispatch",
+            f"dispatch={strategy.value} needs about {gib:.1f} GiB per device in the MoE block "
+            f"({est.activation_bytes / 2**30:.1f} GiB activations, "
+            f"{est.weight_bytes / 2**30:.1f} GiB gathered expert weights), more than the "
+            f"{cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}. Raise cp or the batch "
+            "shards, lower per_device_batch_size, or pick a lighter dispatch.",
+        )
+    ]

@@ -10,7 +10,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture(scope="session")
 def jax_cpu8():
     """jax with 8 CPU devices and strict settings (imported only by layer tests)."""

@@ -34,8 +34,10 @@ def test_every_preset_composes_and_validates(model, mesh):
     cfg = selector.to_config(selector.compose([f"model={model}", f"mesh={mesh}"]))
     assert cfg.model_name == model
     findings = selector.validate(cfg)  # never raises
-    # One sequence per device and no context parallelism: only memory can be an error.
-    assert codes(f for f in findings if f.severity.value == "error") <= {"MEMORY_EXCEEDED"}
+    # One sequence per device and no context parallelism: only memory can be an error,
+    # and for the tiny model an embedding (64) too narrow for fsdp over 256 chips.
+    allowed = {"MEMORY_EXCEEDED"} | ({"EMBED_NOT_DIVISIBLE"} if model == "tiny" else set())
+    assert codes(f for f in findings if f.severity.value == "error") <= allowed
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -63,16 +65,26 @@ def test_all_three_context_axes_count_for_cp():
     for axis in ("context", "context_usp_ulysses", "context_autoregressive"):
         plan = selector.resolve(typed(f"ici_{axis}_parallelism=4", "per_device_batch_size=0.25"))
         assert plan.cp == 4 and plan.per_device.sub_seq == 512
-    plan = selector.resolve(typed("ici_context_parallelism=2",
-                                  "ici_context_usp_ulysses_parallelism=2",
-                                  "per_device_batch_size=0.25"))
+    plan = selector.resolve(
+        typed(
+            "ici_context_parallelism=2",
+            "ici_context_usp_ulysses_parallelism=2",
+            "per_device_batch_size=0.25",
+        )
+    )
     assert plan.cp == 4
 
 
 def test_derived_numbers():
-    plan = selector.resolve(typed("ici_context_parallelism=2", "per_device_batch_size=1",
-                                  "allow_local_batch_inflation=true", "capacity_factor=1.25",
-                                  "max_target_length=1024"))
+    plan = selector.resolve(
+        typed(
+            "ici_context_parallelism=2",
+            "per_device_batch_size=1",
+            "allow_local_batch_inflation=true",
+            "capacity_factor=1.25",
+            "max_target_length=1024",
+        )
+    )
     d = plan.per_device
     assert (d.global_batch, d.batch_shards, d.local_batch, d.sub_seq) == (8, 4, 2, 512)
     assert d.tokens_per_device == 1024 and d.gmm_rows == 2048
@@ -85,12 +97,22 @@ def test_auto_policy():
     one = selector.resolve(typed("num_experts=1", "num_experts_per_tok=1"))
     assert one.strategy is Dispatch.mlp
     # A decode step: few tokens, so per-expert tile padding makes the gmm costlier than dense.
-    decode = selector.resolve(typed("mode=decode", "model=qwen3_30b_a3b", "per_device_batch_size=1"))
+    decode = selector.resolve(
+        typed("mode=decode", "model=qwen3_30b_a3b", "per_device_batch_size=1")
+    )
     assert decode.strategy is Dispatch.dense
     explicit = selector.resolve(typed("dispatch=dense"))
     assert explicit.strategy is Dispatch.dense and "requested" in explicit.reason
     verdicts = {c.strategy: c.verdict for c in selector.resolve(typed()).candidates}
     assert "dropless" in verdicts[Dispatch.subgroup_capacity]
+
+
+def test_plan_says_what_the_block_does_with_sharded_weights():
+    assert selector.resolve(typed("ici_fsdp_parallelism=8")).expert_weights.startswith("rest")
+    plain = selector.resolve(typed("ici_fsdp_parallelism=1", "ici_data_parallelism=8"))
+    assert plain.expert_weights.startswith("replicated")
+    tp = selector.resolve(typed("ici_tensor_parallelism=2", "per_device_batch_size=2"))
+    assert "hidden over tensor=2" in tp.expert_weights
 
 
 def test_plan_is_frozen_and_serialisable():
@@ -111,8 +133,9 @@ def test_compose_from_a_temporary_working_directory(tmp_path, monkeypatch):
 def test_installed_package_composes_outside_the_checkout(tmp_path):
     """The packaged conf/ is found from any directory (not only next to the source)."""
     code = "import selector; print(selector.compose(['model=deepseek_v3']).num_experts)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "256"
 
 
@@ -122,8 +145,12 @@ def test_live_jax_mesh_shape_wins(jax_cpu8):
 
     devices = np.array(jax_cpu8.devices()).reshape(2, 4)
     mesh = Mesh(devices, ("data", "context"), axis_types=(AxisType.Auto,) * 2)
-    plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu",
-                                              "per_device_batch_size=0.25"]), mesh)
+    plan = selector.resolve(
+        selector.compose(
+            ["model=tiny", "mesh=cpu_8", "hardware=cpu", "per_device_batch_size=0.25"]
+        ),
+        mesh,
+    )
     assert plan.mesh.source == "live mesh" and plan.cp == 4 and plan.per_device.batch_shards == 2
     assert plan.gmm_backend == "tiled_gmm"
     on_h200 = selector.resolve(selector.compose(["model=tiny", "per_device_batch_size=0.25"]), mesh)
@@ -134,7 +161,8 @@ def test_live_jax_mesh_shape_wins(jax_cpu8):
 def test_resolver_inside_a_user_hydra_config(tmp_path):
     """A user's own Hydra app writes `moe_dispatch: ${moe_dispatch:}`."""
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "train.yaml").write_text(textwrap.dedent("""
+    (tmp_path / "conf" / "train.yaml").write_text(
+        textwrap.dedent("""
         learning_rate: 3e-4
         num_devices: 8
         ici_fsdp_parallelism: 2
@@ -148,8 +176,10 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
         nested:
           moe: {num_devices: 8, ici_fsdp_parallelism: 8, capacity_factor: -1}
           dispatch: ${moe_dispatch:nested.moe}
-    """))
-    (tmp_path / "train.py").write_text(textwrap.dedent("""
+    """)
+    )
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""
         import hydra, selector
         selector.register_resolvers()
 
@@ -160,26 +190,45 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
             print(inner.model_name)
 
         main()
-    """))
+    """)
+    )
     env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
-    out = subprocess.run([sys.executable, "train.py", "hydra.run.dir=."], cwd=tmp_path,
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "train.py", "hydra.run.dir=."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["subgroup_capacity", "megablox", "tiny"]
 
 
 def test_resolver_reports_config_errors():
     selector.register_resolvers()
-    cfg = OmegaConf.create({"num_devices": 8, "ici_context_parallelism": 4,
-                            "per_device_batch_size": 1, "max_target_length": 8192,
-                            "d": "${moe_dispatch:}"})
+    cfg = OmegaConf.create(
+        {
+            "num_devices": 8,
+            "ici_context_parallelism": 4,
+            "per_device_batch_size": 1,
+            "max_target_length": 8192,
+            "d": "${moe_dispatch:}",
+        }
+    )
     with pytest.raises(Exception, match="LOCAL_BATCH_INFLATION"):
         _ = cfg.d
 
 
 def test_selector_core_never_imports_jax():
-    code = ("import sys, selector; selector.resolve(selector.compose([]));"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'layers')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parent)
+    code = (
+        "import sys, selector; selector.resolve(selector.compose([]));"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'layers')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent,
+    )
     assert out.stdout.strip() == "[]"

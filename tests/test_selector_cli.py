@@ -10,8 +10,13 @@ REPORTED = ["model=qwen3_next_80b_a3b", "ici_context_parallelism=4", "max_target
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "selector", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "selector", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 def test_default_config_reports_and_exits_0(tmp_path):
@@ -35,16 +40,19 @@ def test_reported_case_fixed_exits_0_with_2048_tokens():
     assert "tokens per device      2,048" in out.stdout
 
 
-@pytest.mark.parametrize("override,expect", [
-    ("foo=1", "Unknown setting 'foo'"),
-    ("+foo=1", "Unknown setting 'foo'"),
-    ("ici_contxt_parallelism=2", "Did you mean ici_context_parallelism"),
-    ("ici_context_parallelism=abc", "ici_context_parallelism"),
-    ("per_device_batch_size=", "per_device_batch_size"),
-    ("model=nope", "Available model presets"),
-    ("dispatch=megabox", "megablox"),
-    ("x==", "Cannot parse"),
-])
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("foo=1", "Unknown setting 'foo'"),
+        ("+foo=1", "Unknown setting 'foo'"),
+        ("ici_contxt_parallelism=2", "Did you mean ici_context_parallelism"),
+        ("ici_context_parallelism=abc", "ici_context_parallelism"),
+        ("per_device_batch_size=", "per_device_batch_size"),
+        ("model=nope", "Available model presets"),
+        ("dispatch=megabox", "megablox"),
+        ("x==", "Cannot parse"),
+    ],
+)
 def test_unusable_overrides_exit_2_with_one_paragraph(override, expect):
     out = run(override)
     assert out.returncode == 2
@@ -65,17 +73,29 @@ def test_json_output_for_launch_scripts():
 
 
 def test_multirun_prints_one_report_per_job(tmp_path):
-    out = run("-m", "ici_context_parallelism=1,2,4,8", "per_device_batch_size=0.125",
-              "max_target_length=8192", "output=json", cwd=tmp_path)
+    out = run(
+        "-m",
+        "ici_context_parallelism=1,2,4,8",
+        "per_device_batch_size=0.125",
+        "max_target_length=8192",
+        "output=json",
+        cwd=tmp_path,
+    )
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["overrides"][0] for r in reports] == [
-        f"ici_context_parallelism={cp}" for cp in (1, 2, 4, 8)]
+        f"ici_context_parallelism={cp}" for cp in (1, 2, 4, 8)
+    ]
     # Only cp=8 holds one sequence per batch shard at this batch size.
     assert [r["ok"] for r in reports] == [False, False, False, True]
     assert out.returncode == 1  # the worst job decides
     assert list(tmp_path.iterdir()) == []
-    text = run("-m", "ici_context_parallelism=4,8", "per_device_batch_size=0.125",
-               "max_target_length=8192", cwd=tmp_path)
+    text = run(
+        "-m",
+        "ici_context_parallelism=4,8",
+        "per_device_batch_size=0.125",
+        "max_target_length=8192",
+        cwd=tmp_path,
+    )
     assert text.stdout.count("=== job: ") == 2 and text.stdout.count("Candidates") == 2
 
 

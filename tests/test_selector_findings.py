@@ -10,65 +10,159 @@ CP4 = ("ici_context_parallelism=4", "max_target_length=8192")
 
 # (code, severity, overrides that trigger it, near overrides that do not)
 CASES = [
-    ("LOCAL_BATCH_INFLATION", "error", (*CP4, "per_device_batch_size=1"),
-     (*CP4, "per_device_batch_size=0.25")),
-    ("GLOBAL_BATCH_FRACTIONAL", "error", ("per_device_batch_size=0.3",),
-     ("per_device_batch_size=0.25", "ici_fsdp_parallelism=2", "ici_data_parallelism=1",
-      "ici_context_parallelism=4", "max_target_length=8192")),
-    ("BATCH_NOT_DIVISIBLE", "error", ("per_device_batch_size=0.125",),
-     ("per_device_batch_size=1",)),
-    ("SEQUENCE_NOT_DIVISIBLE", "error",
-     ("ici_context_parallelism=4", "max_target_length=8190", "per_device_batch_size=0.25"),
-     ("ici_context_parallelism=4", "max_target_length=8200", "per_device_batch_size=0.25",
-      "context_parallel_load_balance=false")),
-    ("SEQUENCE_NOT_DIVISIBLE_LOAD_BALANCE", "error",
-     ("ici_context_parallelism=4", "max_target_length=8196", "per_device_batch_size=0.25"),
-     ("ici_context_parallelism=4", "max_target_length=8196", "per_device_batch_size=0.25",
-      "context_parallel_load_balance=false")),
-    ("EXPERTS_NOT_DIVISIBLE", "error", ("num_devices=12", "ici_expert_parallelism=3"),
-     ("num_devices=12", "ici_expert_parallelism=3", "num_experts=12")),
-    ("HIDDEN_NOT_DIVISIBLE", "error", ("ici_tensor_parallelism=2", "base_moe_mlp_dim=129"),
-     ("ici_tensor_parallelism=2", "base_moe_mlp_dim=130")),
-    ("TOKENS_REPLICATED", "warning", ("ici_tensor_parallelism=2", "per_device_batch_size=2"),
-     ("ici_tensor_parallelism=2", "axis_rules.sequence=[context,tensor]",
-      "per_device_batch_size=0.5")),
-    ("CAPACITY_IGNORED", "warning", ("capacity_factor=1.25", "dispatch=megablox"),
-     ("capacity_factor=-1", "dispatch=megablox")),
-    ("CAPACITY_REQUIRED", "error", ("capacity_factor=-1", "dispatch=subgroup_capacity"),
-     ("capacity_factor=1.5", "dispatch=subgroup_capacity")),
-    ("CAPACITY_BELOW_ONE", "warning",
-     ("capacity_factor=1", "max_target_length=16", "ici_context_parallelism=8",
-      "per_device_batch_size=0.125"),
-     ("capacity_factor=1", "max_target_length=64", "ici_context_parallelism=8",
-      "per_device_batch_size=0.125")),
-    ("DROPS_LIKELY", "warning", ("capacity_factor=1", "max_target_length=16"),
-     ("capacity_factor=1.25", "max_target_length=4096")),
-    ("MEMORY_EXCEEDED", "error",
-     ("model=deepseek_v3", "hardware=v5e", "dispatch=dense", "max_target_length=8192"),
-     ("model=deepseek_v3", "hardware=h200", "dispatch=megablox", "max_target_length=8192")),
-    ("MESH_DEVICE_MISMATCH", "error", ("ici_fsdp_parallelism=4",),
-     ("ici_fsdp_parallelism=8",)),
+    (
+        "LOCAL_BATCH_INFLATION",
+        "error",
+        (*CP4, "per_device_batch_size=1"),
+        (*CP4, "per_device_batch_size=0.25"),
+    ),
+    (
+        "GLOBAL_BATCH_FRACTIONAL",
+        "error",
+        ("per_device_batch_size=0.3",),
+        (
+            "per_device_batch_size=0.25",
+            "ici_fsdp_parallelism=2",
+            "ici_data_parallelism=1",
+            "ici_context_parallelism=4",
+            "max_target_length=8192",
+        ),
+    ),
+    (
+        "BATCH_NOT_DIVISIBLE",
+        "error",
+        ("per_device_batch_size=0.125",),
+        ("per_device_batch_size=1",),
+    ),
+    (
+        "SEQUENCE_NOT_DIVISIBLE",
+        "error",
+        ("ici_context_parallelism=4", "max_target_length=8190", "per_device_batch_size=0.25"),
+        (
+            "ici_context_parallelism=4",
+            "max_target_length=8200",
+            "per_device_batch_size=0.25",
+            "context_parallel_load_balance=false",
+        ),
+    ),
+    (
+        "SEQUENCE_NOT_DIVISIBLE_LOAD_BALANCE",
+        "error",
+        ("ici_context_parallelism=4", "max_target_length=8196", "per_device_batch_size=0.25"),
+        (
+            "ici_context_parallelism=4",
+            "max_target_length=8196",
+            "per_device_batch_size=0.25",
+            "context_parallel_load_balance=false",
+        ),
+    ),
+    (
+        "EXPERTS_NOT_DIVISIBLE",
+        "error",
+        ("num_devices=12", "ici_expert_parallelism=3"),
+        ("num_devices=12", "ici_expert_parallelism=3", "num_experts=12"),
+    ),
+    (
+        "HIDDEN_NOT_DIVISIBLE",
+        "error",
+        ("ici_tensor_parallelism=2", "base_moe_mlp_dim=129"),
+        ("ici_tensor_parallelism=2", "base_moe_mlp_dim=130"),
+    ),
+    ("EMBED_NOT_DIVISIBLE", "error", ("base_emb_dim=60",), ("base_emb_dim=56",)),
+    (
+        "TOKENS_REPLICATED",
+        "warning",
+        ("ici_tensor_parallelism=2", "per_device_batch_size=2"),
+        (
+            "ici_tensor_parallelism=2",
+            "axis_rules.sequence=[context,tensor]",
+            "per_device_batch_size=0.5",
+        ),
+    ),
+    (
+        "CAPACITY_IGNORED",
+        "warning",
+        ("capacity_factor=1.25", "dispatch=megablox"),
+        ("capacity_factor=-1", "dispatch=megablox"),
+    ),
+    (
+        "CAPACITY_REQUIRED",
+        "error",
+        ("capacity_factor=-1", "dispatch=subgroup_capacity"),
+        ("capacity_factor=1.5", "dispatch=subgroup_capacity"),
+    ),
+    (
+        "CAPACITY_BELOW_ONE",
+        "warning",
+        (
+            "capacity_factor=1",
+            "max_target_length=16",
+            "ici_context_parallelism=8",
+            "per_device_batch_size=0.125",
+        ),
+        (
+            "capacity_factor=1",
+            "max_target_length=64",
+            "ici_context_parallelism=8",
+            "per_device_batch_size=0.125",
+        ),
+    ),
+    (
+        "DROPS_LIKELY",
+        "warning",
+        ("capacity_factor=1", "max_target_length=16"),
+        ("capacity_factor=1.25", "max_target_length=4096"),
+    ),
+    (
+        "MEMORY_EXCEEDED",
+        "error",
+        ("model=deepseek_v3", "hardware=v5e", "dispatch=dense", "max_target_length=8192"),
+        ("model=deepseek_v3", "hardware=h200", "dispatch=megablox", "max_target_length=8192"),
+    ),
+    ("MESH_DEVICE_MISMATCH", "error", ("ici_fsdp_parallelism=4",), ("ici_fsdp_parallelism=8",)),
     ("MESH_FILL_AMBIGUOUS", "error", ("ici_data_parallelism=-1",), ("ici_data_parallelism=1",)),
-    ("MESH_NOT_DIVISIBLE", "error", ("ici_context_parallelism=3",),
-     ("ici_context_parallelism=2", "per_device_batch_size=0.5")),
-    ("MESH_AXIS_INVALID", "error", ("ici_context_parallelism=0",),
-     ("ici_context_parallelism=1",)),
-    ("NUM_DEVICES_UNKNOWN", "error", ("num_devices=null",),
-     ("num_devices=null", "ici_fsdp_parallelism=8")),
+    (
+        "MESH_NOT_DIVISIBLE",
+        "error",
+        ("ici_context_parallelism=3",),
+        ("ici_context_parallelism=2", "per_device_batch_size=0.5"),
+    ),
+    ("MESH_AXIS_INVALID", "error", ("ici_context_parallelism=0",), ("ici_context_parallelism=1",)),
+    (
+        "NUM_DEVICES_UNKNOWN",
+        "error",
+        ("num_devices=null",),
+        ("num_devices=null", "ici_fsdp_parallelism=8"),
+    ),
     ("NUM_DEVICES_INVALID", "error", ("num_devices=-8",), ("num_devices=8",)),
     ("VALUE_NOT_POSITIVE", "error", ("max_target_length=0",), ("max_target_length=1",)),
     ("TOPK_EXCEEDS_EXPERTS", "error", ("num_experts_per_tok=9",), ("num_experts_per_tok=8",)),
     ("DTYPE_UNKNOWN", "error", ("dtype=float64x",), ("dtype=bfloat16",)),
     ("HARDWARE_INVALID", "error", ("hardware.memory_gib=0",), ("hardware.memory_gib=1",)),
-    ("DISPATCH_MLP_WITH_EXPERTS", "error", ("dispatch=mlp",),
-     ("dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")),
-    ("DECODE_CONTEXT_PARALLEL", "warning",
-     ("mode=decode", "ici_context_parallelism=2", "per_device_batch_size=0.5"),
-     ("mode=decode", "per_device_batch_size=1")),
-    ("AXIS_RULE_UNKNOWN_AXIS", "error", ("axis_rules.sequence=[context,contxt]",),
-     ("axis_rules.sequence=[context]",)),
-    ("AXIS_RULE_CONFLICT", "error", ("axis_rules.batch=[data,fsdp,context]",),
-     ("axis_rules.batch=[data,fsdp]",)),
+    (
+        "DISPATCH_MLP_WITH_EXPERTS",
+        "error",
+        ("dispatch=mlp",),
+        ("dispatch=mlp", "num_experts=1", "num_experts_per_tok=1"),
+    ),
+    (
+        "DECODE_CONTEXT_PARALLEL",
+        "warning",
+        ("mode=decode", "ici_context_parallelism=2", "per_device_batch_size=0.5"),
+        ("mode=decode", "per_device_batch_size=1"),
+    ),
+    (
+        "AXIS_RULE_UNKNOWN_AXIS",
+        "error",
+        ("axis_rules.sequence=[context,contxt]",),
+        ("axis_rules.sequence=[context]",),
+    ),
+    (
+        "AXIS_RULE_CONFLICT",
+        "error",
+        ("axis_rules.batch=[data,fsdp,context]",),
+        ("axis_rules.batch=[data,fsdp]",),
+    ),
 ]
 
 
@@ -96,8 +190,11 @@ def test_every_rule_code_is_covered():
 
 
 def test_inflation_message_gives_numbers_and_fix():
-    (f,) = [x for x in selector.validate(typed(*CP4, "per_device_batch_size=1"))
-            if x.code == "LOCAL_BATCH_INFLATION"]
+    (f,) = [
+        x
+        for x in selector.validate(typed(*CP4, "per_device_batch_size=1"))
+        if x.code == "LOCAL_BATCH_INFLATION"
+    ]
     assert "4 sequences" in f.message and "8,192 tokens" in f.message
     assert "per_device_batch_size=0.25" in f.message
 
@@ -110,13 +207,16 @@ def test_inflation_can_be_accepted_knowingly():
 
 
 def test_resolve_raises_with_every_error():
-    cfg = typed("ici_context_parallelism=4", "max_target_length=8190", "dtype=nope",
-                "per_device_batch_size=0.25")
+    cfg = typed(
+        "ici_context_parallelism=4",
+        "max_target_length=8190",
+        "dtype=nope",
+        "per_device_batch_size=0.25",
+    )
     with pytest.raises(selector.ConfigError) as info:
         selector.resolve(cfg)
     assert {"DTYPE_UNKNOWN"} <= codes(info.value.findings)
-    cfg = typed("ici_context_parallelism=4", "max_target_length=8190",
-                "per_device_batch_size=0.3")
+    cfg = typed("ici_context_parallelism=4", "max_target_length=8190", "per_device_batch_size=0.3")
     with pytest.raises(selector.ConfigError) as info:
         selector.resolve(cfg)
     assert {"SEQUENCE_NOT_DIVISIBLE", "GLOBAL_BATCH_FRACTIONAL"} <= codes(info.value.findings)
@@ -131,8 +231,10 @@ def test_live_mesh_findings():
     mesh = {"data": 2, "context": 2, "stage": 2}
     found = selector.validate(typed("per_device_batch_size=0.5"), mesh)
     assert "MESH_UNKNOWN_AXIS" in codes(found)
-    found = selector.validate(typed("num_devices=16", "per_device_batch_size=0.5"),
-                              {"data": 2, "context": 4})
+    found = selector.validate(
+        typed("num_devices=16", "per_device_batch_size=0.5"), {"data": 2, "context": 4}
+    )
     assert "NUM_DEVICES_FROM_MESH" in codes(found)
     assert "NUM_DEVICES_FROM_MESH" not in codes(
-        selector.validate(typed("per_device_batch_size=0.5"), {"data": 2, "context": 4}))
+        selector.validate(typed("per_device_batch_size=0.5"), {"data": 2, "context": 4})
+    )

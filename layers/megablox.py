@@ -1,0 +1,41 @@
+"""Megablox dispatch: each device routes, sorts, runs the grouped matmul on and unsorts
+only its local tokens (inside shard_map over the whole mesh), so the flatten of
+(batch, sequence) happens per shard and never gathers the sequence.
+
+Legend: B batch, S sequence, T local tokens, K top-k, R = T*K routed rows,
+M embedding, H hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .ffn import ExpertWeights, swiglu
+from .gmm import gmm
+from .router import partial_stats, route
+from .spec import MoESpec
+
+
+def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
+    batch, seq, emb = x_BSM.shape
+    x_TM = x_BSM.reshape(batch * seq, emb)
+    with jax.named_scope("route"):
+        weights_TK, ids_TK, probs_TE = route(x_TM, w.gate_ME, spec.top_k, spec.norm_topk_prob)
+    with jax.named_scope("permute"):
+        ids_R = ids_TK.reshape(-1)
+        order_R = jnp.argsort(ids_R, stable=True)
+        group_sizes_E = jnp.zeros((spec.num_experts,), jnp.int32).at[ids_R].add(1)
+        dt = spec.compute_dtype
+        x_RM = jnp.take(x_TM.astype(dt), order_R // spec.top_k, axis=0)
+    with jax.named_scope("expert_compute"):
+        h_RH = swiglu(
+            gmm(x_RM, w.wi_0_EMH.astype(dt), group_sizes_E, spec.gmm_backend),
+            gmm(x_RM, w.wi_1_EMH.astype(dt), group_sizes_E, spec.gmm_backend),
+        )
+        y_RM = gmm(h_RH, w.wo_EHM.astype(dt), group_sizes_E, spec.gmm_backend)
+    with jax.named_scope("unpermute_combine"):
+        inverse_R = jnp.argsort(order_R)
+        y_TKM = jnp.take(y_RM, inverse_R, axis=0).reshape(batch * seq, spec.top_k, emb)
+        y_TM = jnp.einsum("tkm,tk->tm", y_TKM, weights_TK.astype(dt))
+    return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)

@@ -1,0 +1,144 @@
+"""MoEBlock: router -> dispatch -> expert compute -> combine, with the dispatch the
+selector's plan names, run per device inside one shard_map over the whole mesh.
+
+Parameters use MaxText's names and shapes so weights port both ways:
+gate.kernel (M, E), wi_0 (E, M, H), wi_1 (E, M, H), wo (E, H, M).
+Legend: B batch, S sequence, M embedding, H hidden, E experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+import selector
+from selector import Dispatch
+
+from . import dense, megablox, subgroup_capacity
+from .ffn import ExpertWeights, dense_ffn
+from .router import finish_stats, partial_stats, route
+from .sharding import Layout
+from .spec import MoESpec
+
+
+def _mlp_local(x_BSM, w: ExpertWeights, spec: MoESpec):
+    """One expert: a plain SwiGLU MLP; the router is trivially 1 for expert 0."""
+    batch, seq, emb = x_BSM.shape
+    x_TM = x_BSM.reshape(-1, emb)
+    _, ids_TK, probs_TE = route(x_TM, w.gate_ME, spec.top_k, spec.norm_topk_prob)
+    dt = spec.compute_dtype
+    y_TM = dense_ffn(
+        x_TM.astype(dt), w.wi_0_EMH[0].astype(dt), w.wi_1_EMH[0].astype(dt), w.wo_EHM[0].astype(dt)
+    )
+    return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)
+
+
+# One local forward per strategy: (x_BSM, weights, spec) -> (y_BSM, partial stats).
+STRATEGIES: dict[Dispatch, Callable] = {
+    Dispatch.dense: dense.local_forward,
+    Dispatch.subgroup_capacity: subgroup_capacity.local_forward,
+    Dispatch.megablox: megablox.local_forward,
+    Dispatch.mlp: _mlp_local,
+}
+
+
+def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
+    """Run one strategy per device; statistics are summed over every token axis.
+
+    Weights enter replicated: XLA gathers any at-rest sharding (fsdp, expert, tensor)
+    once before the block, FSDP-style, and their gradients come back reduced.
+    """
+    layout.check_input(x_BSM.shape)
+    local = STRATEGIES[strategy]
+
+    def body(x, weights):
+        y, sums = local(x, weights, spec)
+        sums = jax.lax.psum(sums, layout.token_axes) if layout.token_axes else sums
+        return y, finish_stats(sums, spec.top_k)
+
+    weight_specs = jax.tree.map(lambda _: layout.replicated, w)
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(layout.x_BSM, weight_specs),
+        out_specs=(layout.x_BSM, layout.replicated),
+        check_vma=True,
+    )
+    return fn(x_BSM, w)
+
+
+class GateLogit(nnx.Module):
+    """The router's kernel (M, E), named as MaxText's `gate.kernel`."""
+
+    def __init__(self, emb: int, num_experts: int, *, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (emb, num_experts), jnp.float32))
+
+
+class MoEBlock(nnx.Module):
+    """A routed SwiGLU MoE block that keeps the sequence sharded.
+
+    cfg: what `selector.compose` returns, or a `selector.Config`. mesh: a
+    `jax.sharding.Mesh` with auto axis types whose axes use the selector's names (a
+    missing axis counts as size 1). plan: the selector's plan; built with
+    `selector.resolve(cfg, mesh)` when omitted (raises ConfigError on bad settings).
+
+    __call__(x_BSM) -> (y_BSM, stats) with stats: load_balance_loss, dropped_fraction,
+    dropped_tokens, tokens_per_expert (E,), all over the global batch.
+    """
+
+    def __init__(
+        self, cfg: Any, *, mesh: Mesh, plan: selector.DispatchPlan | None = None, rngs: nnx.Rngs
+    ):
+        config = selector.to_config(cfg)
+        self.plan = plan if plan is not None else selector.resolve(config, mesh)
+        self.layout = Layout.from_plan(self.plan, mesh)
+        self.spec = MoESpec.from_config(config, self.plan)
+        emb, hidden, experts = config.base_emb_dim, config.base_moe_mlp_dim, config.num_experts
+        init = nnx.initializers.lecun_normal()
+        self.gate = GateLogit(emb, experts, rngs=rngs)
+        self.wi_0 = nnx.Param(init(rngs.params(), (experts, emb, hidden), jnp.float32))
+        self.wi_1 = nnx.Param(init(rngs.params(), (experts, emb, hidden), jnp.float32))
+        self.wo = nnx.Param(init(rngs.params(), (experts, hidden, emb), jnp.float32))
+
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.gate.kernel[...], self.wi_0[...], self.wi_1[...], self.wo[...])
+
+    def __call__(self, x_BSM):
+        return sharded_forward(self.plan.strategy, self.layout, self.spec, x_BSM, self.weights())
+
+
+class MlpBlock(nnx.Module):
+    """A dense SwiGLU block: what the bug reports fell back to, and the speed baseline."""
+
+    def __init__(self, emb: int, hidden: int, *, dtype: str = "float32", rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.wi_0 = nnx.Param(init(rngs.params(), (emb, hidden), jnp.float32))
+        self.wi_1 = nnx.Param(init(rngs.params(), (emb, hidden), jnp.float32))
+        self.wo = nnx.Param(init(rngs.params(), (hidden, emb), jnp.float32))
+        self.dtype = dtype
+
+    def __call__(self, x_BSM):
+        dt = jnp.dtype(self.dtype)
+        y = dense_ffn(
+            x_BSM.astype(dt),
+            self.wi_0[...].astype(dt),
+            self.wi_1[...].astype(dt),
+            self.wo[...].astype(dt),
+        )
+        return y.astype(x_BSM.dtype)
+
+
+def shard_params(model: MoEBlock) -> None:
+    """Place the block's parameters at rest by the layout's weight specs."""
+    layout = model.layout
+    for name, spec in layout.param_specs().items():
+        owner = model.gate if name == "gate.kernel" else model
+        attr = name.split(".")[-1]
+        var = getattr(owner, attr)
+        var[...] = jax.device_put(var[...], layout.named(spec))

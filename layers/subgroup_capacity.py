@@ -1,0 +1,67 @@
+"""Subgroup capacity dispatch: each device's tokens are its own subgroups.
+
+The input arrives sharded (batch axes, sequence axes), so a device holds B_local
+sequences of sub_seq = S / cp tokens: exactly the (batch, cp, sub_seq) subgroups of
+MaxText's capacity path, with the cp dim on the sequence axes. Routing, capacity
+positions and drops are computed inside each subgroup, with capacity
+ceil(sub_seq * k / E * capacity_factor); dispatch and combine are one-hot einsums.
+Priority within a subgroup follows token order, then choice rank (MaxText's order).
+
+Legend: B batch, S sub-sequence, K top-k, E experts, C capacity, M embedding, H hidden.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .ffn import ExpertWeights, swiglu
+from .router import partial_stats, route
+from .spec import MoESpec
+
+
+def capacity_masks(ids_BSK, weights_BSK, num_experts: int, cap: int):
+    """(dispatch_BSEC, combine_BSEC, dropped assignments) for one device's subgroups."""
+    batch, seq, top_k = ids_BSK.shape
+    onehot_BRE = jax.nn.one_hot(ids_BSK.reshape(batch, seq * top_k), num_experts, dtype=jnp.int32)
+    # Position of each assignment in its expert's queue: token-major, then rank.
+    position_BR = jnp.sum((jnp.cumsum(onehot_BRE, axis=1) - 1) * onehot_BRE, axis=-1)
+    keep_BR = position_BR < cap
+    slot_BR = jnp.where(keep_BR, ids_BSK.reshape(batch, -1) * cap + position_BR, -1)
+    slot_BSK = slot_BR.reshape(batch, seq, top_k)
+    dispatch = jnp.zeros((batch, seq, num_experts * cap), jnp.float32)
+    combine = jnp.zeros((batch, seq, num_experts * cap), jnp.float32)
+    for rank in range(top_k):  # k one-hots of (B, S, E*C), never a (B, S, K, E, C) buffer
+        hot = jax.nn.one_hot(slot_BSK[..., rank], num_experts * cap, dtype=jnp.float32)
+        dispatch = dispatch + hot
+        combine = combine + hot * weights_BSK[..., rank, None]
+    shape = (batch, seq, num_experts, cap)
+    dropped = jnp.sum(~keep_BR)
+    return dispatch.reshape(shape), combine.reshape(shape), dropped
+
+
+def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
+    batch, seq, emb = x_BSM.shape
+    cap = spec.capacity(seq)
+    with jax.named_scope("route"):
+        weights_TK, ids_TK, probs_TE = route(
+            x_BSM.reshape(-1, emb), w.gate_ME, spec.top_k, spec.norm_topk_prob
+        )
+        dispatch_BSEC, combine_BSEC, dropped = capacity_masks(
+            ids_TK.reshape(batch, seq, -1),
+            weights_TK.reshape(batch, seq, -1),
+            spec.num_experts,
+            cap,
+        )
+    dt = spec.compute_dtype
+    with jax.named_scope("dispatch"):
+        x_BECM = jnp.einsum("bsm,bsec->becm", x_BSM.astype(dt), dispatch_BSEC.astype(dt))
+    with jax.named_scope("expert_compute"):
+        h_BECH = swiglu(
+            jnp.einsum("becm,emh->bech", x_BECM, w.wi_0_EMH.astype(dt)),
+            jnp.einsum("becm,emh->bech", x_BECM, w.wi_1_EMH.astype(dt)),
+        )
+        y_BECM = jnp.einsum("bech,ehm->becm", h_BECH, w.wo_EHM.astype(dt))
+    with jax.named_scope("combine"):
+        y_BSM = jnp.einsum("becm,bsec->bsm", y_BECM, combine_BSEC.astype(dt))
+    return y_BSM.astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, dropped)

@@ -1,0 +1,95 @@
+"""Helpers for the layer tests: build a block on a mesh, and fwd+bwd functions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import layers
+import selector
+
+
+def build(
+    strategy: str,
+    mesh_sizes: dict,
+    batch: int,
+    seq: int,
+    *extra: str,
+    capacity_factor: float | None = None,
+    seed: int = 0,
+):
+    """A tiny MoEBlock on `mesh_sizes` for a global (batch, seq) input."""
+    mesh = layers.make_mesh(mesh_sizes)
+    n = int(np.prod(list(mesh_sizes.values())))
+    if capacity_factor is None:
+        capacity_factor = 4.0 if strategy == "subgroup_capacity" else -1.0  # 4 = E/k: no drops
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=cpu_8",
+            "hardware=cpu",
+            f"dispatch={strategy}",
+            f"capacity_factor={capacity_factor}",
+            f"per_device_batch_size={batch / n}",
+            f"max_target_length={seq}",
+            "allow_local_batch_inflation=true",
+            "context_parallel_load_balance=false",
+            *extra,
+        ]
+    )
+    return layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+
+
+def inputs(batch: int, seq: int, emb: int = 64, seed: int = 1):
+    x = jax.random.normal(jax.random.key(seed), (batch, seq, emb), jnp.float32)
+    cot = jax.random.normal(jax.random.key(seed + 1), (batch, seq, emb), jnp.float32)
+    return x, cot
+
+
+def loss_and_grads(model: layers.MoEBlock, x, cot):
+    """jit-compiled (y, stats, d loss / d weights, d loss / d x) for loss = <y, cot>."""
+    layout = model.layout
+    x = jax.device_put(x, layout.named(layout.x_BSM))
+    strategy, spec = model.plan.strategy, model.spec
+
+    def loss(w, x):
+        y, stats = layers.moe.sharded_forward(strategy, layout, spec, x, w)
+        return jnp.sum(y * cot), (y, stats)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y, stats)), (gw, gx) = fn(model.weights(), x)
+    return y, stats, gw, gx
+
+
+def compiled_fwd_bwd(model: layers.MoEBlock, batch: int, seq: int, emb: int = 64):
+    """The compiled fwd+bwd program for a (batch, seq, emb) input on the model's mesh."""
+    layout = model.layout
+    strategy, spec = model.plan.strategy, model.spec
+
+    def loss(w, x):
+        y, stats = layers.moe.sharded_forward(strategy, layout, spec, x, w)
+        return jnp.sum(y * y) + stats["load_balance_loss"]
+
+    x_spec = jax.ShapeDtypeStruct(
+        (batch, seq, emb), jnp.float32, sharding=layout.named(layout.x_BSM)
+    )
+    w = model.weights()
+
+    def at_rest(a):  # parameters keep their at-rest sharding; unplaced ones are replicated
+        sharding = a.sharding if isinstance(a.sharding, NamedSharding) else layout.named(P())
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    w_specs = jax.tree.map(at_rest, w)
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w_specs, x_spec).compile()
+
+
+def assert_close(actual, expected, rel=1e-5, what=""):
+    """|actual - expected| <= rel * max|expected|, elementwise (scale-relative)."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(np.max(np.abs(e)), 1e-30)
+    err = np.max(np.abs(a - e)) / scale
+    assert err <= rel, f"{what}: max error {err:.3g} of scale {scale:.3g} > {rel}"

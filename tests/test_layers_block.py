@@ -1,0 +1,92 @@
+"""MoEBlock end to end from the selector's config, and the plain blocks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import layers
+import selector
+
+REPORTED_TINY = [
+    "model=tiny",
+    "mesh=cpu_8",
+    "ici_context_parallelism=4",
+    "per_device_batch_size=0.25",
+    "max_target_length=8192",
+]
+
+
+def test_reported_case_builds_and_runs_forward_and_backward(jax_cpu8):
+    cfg = selector.compose(REPORTED_TINY)
+    plan = selector.resolve(cfg)
+    assert plan.cp == 4 and plan.per_device.tokens_per_device == 2048
+    mesh = layers.mesh_for_plan(plan)
+    model = layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    assert model.plan.mesh.source == "live mesh" and model.plan.strategy is plan.strategy
+    x = jax.random.normal(jax.random.key(0), (round(plan.per_device.global_batch), 8192, 64))
+    x = jax.device_put(x, model.layout.named(model.layout.x_BSM))
+
+    @nnx.jit
+    def step(model, x):
+        def loss(model):
+            y, stats = model(x)
+            return jnp.mean(y**2) + 0.01 * stats["load_balance_loss"], stats
+
+        (value, stats), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return value, stats, grads
+
+    value, stats, grads = step(model, x)
+    assert np.isfinite(float(value))
+    assert float(jnp.sum(stats["tokens_per_expert"])) == 2 * 8192 * 2
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    assert float(jnp.abs(grads["wi_0"][...]).sum()) > 0
+
+
+def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=cpu_8",
+            "ici_context_parallelism=4",
+            "per_device_batch_size=1",
+            "max_target_length=8192",
+        ]
+    )
+    with pytest.raises(selector.ConfigError, match="LOCAL_BATCH_INFLATION"):
+        layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
+
+
+def test_block_rejects_inputs_the_mesh_cannot_split(jax_cpu8):
+    cfg = selector.compose(
+        ["model=tiny", "mesh=cpu_8", "per_device_batch_size=0.25", "ici_context_parallelism=4"]
+    )
+    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="not divisible by cp=4"):
+        model(jnp.zeros((2, 30, 64)))
+
+
+def test_parameter_names_and_shapes_follow_maxtext(jax_cpu8):
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8"])
+    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    shapes = {"/".join(map(str, k)): v.shape for k, v in flat}
+    assert shapes == {
+        "gate/kernel": (64, 8),
+        "wi_0": (8, 64, 128),
+        "wi_1": (8, 64, 128),
+        "wo": (8, 128, 64),
+    }
+
+
+def test_one_expert_is_a_plain_mlp(jax_cpu8):
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "num_experts=1", "num_experts_per_tok=1"])
+    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0))
+    assert model.plan.strategy is selector.Dispatch.mlp
+    mlp = layers.MlpBlock(64, 128, rngs=nnx.Rngs(1))
+    mlp.wi_0[...], mlp.wi_1[...], mlp.wo[...] = model.wi_0[0], model.wi_1[0], model.wo[0]
+    x = jax.random.normal(jax.random.key(3), (8, 16, 64))
+    y, stats = model(x)
+    np.testing.assert_allclose(y, mlp(x), rtol=1e-5, atol=1e-6)
+    assert float(stats["load_balance_loss"]) == pytest.approx(1.0)
