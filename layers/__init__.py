@@ -2,7 +2,7 @@
 sequence sharded, forward and backward."""
 
 from .ffn import ExpertWeights as ExpertWeights
-from .gmm import gmm as gmm
+from .grouped_matmul import gmm as gmm
 from .moe import MlpBlock as MlpBlock
 from .moe import MoEBlock as MoEBlock
 from .moe import shard_params as shard_params

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .ffn import ExpertWeights, swiglu
-from .gmm import gmm
+from .grouped_matmul import gmm
 from .router import finish_stats, partial_stats, route
 from .sharding import Layout
 from .spec import MoESpec

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from .ffn import ExpertWeights, swiglu
-from .gmm import gmm
+from .grouped_matmul import gmm, gmm_multi
 from .router import partial_stats, route
 from .spec import MoESpec
 
@@ -29,10 +29,10 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         dt = spec.compute_dtype
         x_RM = jnp.take(x_TM.astype(dt), order_R // spec.top_k, axis=0)
     with jax.named_scope("expert_compute"):
-        h_RH = swiglu(
-            gmm(x_RM, w.wi_0_EMH.astype(dt), group_sizes_E, spec.gmm_backend),
-            gmm(x_RM, w.wi_1_EMH.astype(dt), group_sizes_E, spec.gmm_backend),
+        gate_RH, up_RH = gmm_multi(
+            x_RM, (w.wi_0_EMH.astype(dt), w.wi_1_EMH.astype(dt)), group_sizes_E, spec.gmm_backend
         )
+        h_RH = swiglu(gate_RH, up_RH)
         y_RM = gmm(h_RH, w.wo_EHM.astype(dt), group_sizes_E, spec.gmm_backend)
     with jax.named_scope("unpermute_combine"):
         inverse_R = jnp.argsort(order_R)
