@@ -113,7 +113,10 @@ def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
             e = expert[i]
             start = first_E[e] + within[i] * tile
             ys = tile_fn(e, [lax.dynamic_slice_in_dim(x, start, tile) for x in xs_RK])
-            return tuple(lax.dynamic_update_slice_in_dim(o, y, start, 0) for o, y in zip(outs, ys))
+            return tuple(
+                lax.dynamic_update_slice_in_dim(o, y, start, 0)
+                for o, y in zip(outs, ys, strict=True)
+            )
 
         outs_RN = lax.fori_loop(0, total, full_tile, outs_RN)
 
@@ -129,7 +132,7 @@ def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
             lax.dynamic_update_slice_in_dim(
                 o, jnp.where(keep, y, lax.dynamic_slice_in_dim(o, start, tail)), start, 0
             )
-            for o, y in zip(outs, ys)
+            for o, y in zip(outs, ys, strict=True)
         )
 
     return lax.fori_loop(0, total, tail_tile, outs_RN)
@@ -162,7 +165,7 @@ def _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E):
 
     def tile_fn(e, dy_tiles):
         total = _dot(dy_tiles[0], ws_EKN[0][e], True)
-        for dy, w in zip(dy_tiles[1:], ws_EKN[1:]):
+        for dy, w in zip(dy_tiles[1:], ws_EKN[1:], strict=True):
             total = total + _dot(dy, w[e], True)
         return [total]
 
@@ -235,7 +238,8 @@ def _tiled_bwd(res, dys_RN):
     x_RK, ws_EKN, group_sizes_E = res
     dx_RK = _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E)
     dws = tuple(
-        _reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E), w) for dy, w in zip(dys_RN, ws_EKN)
+        _reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E), w)
+        for dy, w in zip(dys_RN, ws_EKN, strict=True)
     )
     return _reduce_like(dx_RK, x_RK), dws, None
 

@@ -85,7 +85,7 @@ def test_multi_weights_share_one_pass_and_sum_input_gradients():
 
     ours = jax.grad(loss, argnums=(0, 1, 2))(x, w0, w1)
     ref = jax.grad(plain, argnums=(0, 1, 2))(x, w0, w1)
-    for o, r in zip(ours, ref):
+    for o, r in zip(ours, ref, strict=True):
         assert_close(o, r)
 
 
