@@ -23,16 +23,19 @@ def partial_stats(probs_TE, ids_TK, dropped) -> dict:
     """Local sums that `finish_stats` turns into global statistics after a psum."""
     num_experts = probs_TE.shape[-1]
     counts_E = jnp.zeros((num_experts,), jnp.float32).at[ids_TK.reshape(-1)].add(1.0)
+    nonfinite_T = ~jnp.all(jnp.isfinite(probs_TE), axis=-1)
     return {
         "assignments_E": counts_E,
         "prob_sum_E": jnp.sum(probs_TE, axis=0),
         "tokens": jnp.asarray(probs_TE.shape[0], jnp.float32),
         "dropped": jnp.asarray(dropped, jnp.float32),
+        "nonfinite": jnp.sum(nonfinite_T).astype(jnp.float32),
     }
 
 
 def finish_stats(sums: dict, top_k: int) -> dict:
-    """Switch-style load-balance loss, dropped fraction and tokens per expert.
+    """Switch-style load-balance loss, dropped fraction, tokens per expert and the count
+    of tokens whose router probabilities are not finite (NaN or inf inputs).
 
     From sums over every token of the global batch:
     loss = E * sum_e f_e * P_e, f_e the fraction of assignments to expert e and P_e the
@@ -47,4 +50,5 @@ def finish_stats(sums: dict, top_k: int) -> dict:
         "dropped_fraction": sums["dropped"] / assignments,
         "dropped_tokens": sums["dropped"],
         "tokens_per_expert": sums["assignments_E"],
+        "nonfinite_tokens": sums["nonfinite"],
     }

@@ -55,7 +55,12 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         )
     dt = spec.compute_dtype
     with jax.named_scope("dispatch"):
-        x_BECM = jnp.einsum("bsm,bsec->becm", x_BSM.astype(dt), dispatch_BSEC.astype(dt))
+        # The one-hot einsum multiplies every token by 0 or 1, and 0 * NaN is NaN: zero
+        # non-finite tokens here so they cannot poison their subgroup, and give them a
+        # NaN output below (the same per-token behaviour as the other strategies).
+        bad_BS1 = ~jnp.all(jnp.isfinite(x_BSM), axis=-1, keepdims=True)
+        x_clean = jnp.where(bad_BS1, 0, x_BSM).astype(dt)
+        x_BECM = jnp.einsum("bsm,bsec->becm", x_clean, dispatch_BSEC.astype(dt))
     with jax.named_scope("expert_compute"):
         h_BECH = swiglu(
             jnp.einsum("becm,emh->bech", x_BECM, w.wi_0_EMH.astype(dt)),
@@ -64,4 +69,5 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         y_BECM = jnp.einsum("bech,ehm->becm", h_BECH, w.wo_EHM.astype(dt))
     with jax.named_scope("combine"):
         y_BSM = jnp.einsum("becm,bsec->bsm", y_BECM, combine_BSEC.astype(dt))
+        y_BSM = jnp.where(bad_BS1, jnp.nan, y_BSM)
     return y_BSM.astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, dropped)

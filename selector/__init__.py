@@ -8,6 +8,7 @@ from .api import register_resolvers, resolve, validate
 from .compose import compose, conf_dir, to_config
 from .config import MESH_AXES, AxisRules, Config, Dispatch, Hardware, Mode
 from .findings import ConfigError, Finding, Severity
+from .maxtext import MaxTextError, MaxTextImport, from_maxtext
 from .plan import Candidate, DispatchPlan
 
 __all__ = [
@@ -20,10 +21,13 @@ __all__ = [
     "DispatchPlan",
     "Finding",
     "Hardware",
+    "MaxTextError",
+    "MaxTextImport",
     "Mode",
     "Severity",
     "compose",
     "conf_dir",
+    "from_maxtext",
     "register_resolvers",
     "resolve",
     "to_config",

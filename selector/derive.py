@@ -52,12 +52,13 @@ def per_device(cfg: Config, mesh: MeshView) -> PerDevice:
     n = mesh.num_devices
     shards = mesh.batch_shards
     cp = mesh.cp
-    replication = n // (shards * cp) if n % (shards * cp) == 0 else 1
+    # Devices holding the same tokens. At decode the one new token per sequence cannot
+    # be split, so every sequence shard holds it too.
+    splitting = shards if cfg.mode is Mode.decode else shards * cp
+    replication = n // splitting
     global_batch = cfg.per_device_batch_size * n
     local_batch = global_batch / shards
     seq_len = 1 if cfg.mode is Mode.decode else cfg.max_target_length
-    # At decode the one new token per sequence cannot be split: every sequence shard
-    # holds it.
     sub_seq = seq_len / cp if cfg.mode is not Mode.decode else 1.0
     tokens = local_batch * sub_seq
     k, experts = cfg.num_experts_per_tok, cfg.num_experts

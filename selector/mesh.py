@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from .config import MESH_AXES, Config
 from .findings import Finding, error, warning
 
+MAX_DEVICES = 1 << 24  # far beyond any machine; keeps the arithmetic meaningful
+
 
 @dataclass(frozen=True)
 class MeshView:
@@ -133,13 +135,13 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
             )
         )
         return None, findings
-    if cfg.num_devices is not None and cfg.num_devices < 1:
+    if cfg.num_devices is not None and not 1 <= cfg.num_devices <= MAX_DEVICES:
         findings.append(
             error(
                 "NUM_DEVICES_INVALID",
                 "num_devices",
-                f"num_devices={cfg.num_devices} must be a positive integer (or unset to "
-                "derive it from the mesh).",
+                f"num_devices={cfg.num_devices} must be an integer from 1 to {MAX_DEVICES:,} "
+                "(or unset to derive it from the mesh).",
             )
         )
         return None, findings

@@ -44,7 +44,20 @@ def positive_dims(cfg: Config) -> list[Finding]:
             "preset that sets it.",
         )
         for n in names
-        if not getattr(cfg, n) > 0  # also catches NaN
+        if not 0 < getattr(cfg, n) < math.inf  # also catches NaN
+    ]
+
+
+def finite_capacity_factor(cfg: Config) -> list[Finding]:
+    if math.isfinite(cfg.capacity_factor):
+        return []
+    return [
+        error(
+            "CAPACITY_FACTOR_INVALID",
+            "capacity_factor",
+            f"capacity_factor={cfg.capacity_factor} is not a finite number. Use a value > 0 "
+            "(1.0 to 1.5 is usual) for capacity-limited routing, or -1 for dropless.",
+        )
     ]
 
 
@@ -106,6 +119,7 @@ def mlp_needs_one_expert(cfg: Config) -> list[Finding]:
 
 SETTINGS_RULES = (
     positive_dims,
+    finite_capacity_factor,
     top_k_within_experts,
     known_dtype,
     hardware_values,
@@ -299,6 +313,12 @@ def poisson_drop_fraction(mean: float, cap: int) -> float:
         return 0.0
     if cap > mean + 12 * math.sqrt(mean) + 12:
         return 0.0
+    if mean > 1000:  # normal approximation: the exact sum would loop `cap` times
+        sigma = math.sqrt(mean)
+        z = (cap - mean) / sigma
+        pdf = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+        tail = 0.5 * math.erfc(z / math.sqrt(2))
+        return max(0.0, sigma * (pdf - z * tail)) / mean
     # E[max(X - C, 0)] = mean - C + sum_{x <= C} (C - x) p(x)
     log_p = -mean
     below = 0.0

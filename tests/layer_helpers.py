@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import layers
 import selector
+from layers.programs import compile_fwd_bwd
 
 
 def build(
@@ -67,24 +66,8 @@ def loss_and_grads(model: layers.MoEBlock, x, cot):
 
 def compiled_fwd_bwd(model: layers.MoEBlock, batch: int, seq: int, emb: int = 64):
     """The compiled fwd+bwd program for a (batch, seq, emb) input on the model's mesh."""
-    layout = model.layout
-    strategy, spec = model.plan.strategy, model.spec
-
-    def loss(w, x):
-        y, stats = layers.moe.sharded_forward(strategy, layout, spec, x, w)
-        return jnp.sum(y * y) + stats["load_balance_loss"]
-
-    x_spec = jax.ShapeDtypeStruct(
-        (batch, seq, emb), jnp.float32, sharding=layout.named(layout.x_BSM)
-    )
-    w = model.weights()
-
-    def at_rest(a):  # parameters keep their at-rest sharding; unplaced ones are replicated
-        sharding = a.sharding if isinstance(a.sharding, NamedSharding) else layout.named(P())
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-
-    w_specs = jax.tree.map(at_rest, w)
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w_specs, x_spec).compile()
+    assert emb == model.spec.emb
+    return compile_fwd_bwd(model, batch, seq)
 
 
 def assert_close(actual, expected, rel=1e-5, what=""):

@@ -1,12 +1,11 @@
 """Sharding proven from the compiled fwd+bwd program, not from the Python."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from hlo import activation_sized, collectives
 from layer_helpers import build, compiled_fwd_bwd
 
-from layers.flatten_baseline import flatten_forward
+from layers.programs import compile_fwd_bwd
 
 BATCH, SEQ, EMB = 2, 2048, 64
 CP1, CP4 = {"data": 2, "context": 1}, {"data": 2, "context": 4}
@@ -47,17 +46,6 @@ def test_temp_memory_at_cp4_is_under_030_of_cp1(jax_cpu8, strategy):
 def test_the_checker_catches_the_flatten_baseline(jax_cpu8):
     """Today's flatten-and-sort-globally block does move activations: the check sees it."""
     model, _ = compiled("megablox", CP4)
-    layout, spec = model.layout, model.spec
-
-    def loss(w, x):
-        y, stats = flatten_forward(layout, spec, x, w)
-        return jnp.sum(y * y) + stats["load_balance_loss"]
-
-    x = jax.ShapeDtypeStruct((BATCH, SEQ, EMB), jnp.float32, sharding=layout.named(layout.x_BSM))
-    w = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=layout.named(layout.replicated)),
-        model.weights(),
-    )
-    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile().as_text()
+    text = compile_fwd_bwd(model, BATCH, SEQ, flatten_baseline=True).as_text()
     local_tokens = BATCH // 2 * SEQ // 4
     assert activation_sized(text, local_tokens * EMB, BATCH * SEQ, param_shapes(model))

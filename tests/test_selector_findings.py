@@ -136,6 +136,7 @@ CASES = [
     ),
     ("NUM_DEVICES_INVALID", "error", ("num_devices=-8",), ("num_devices=8",)),
     ("VALUE_NOT_POSITIVE", "error", ("max_target_length=0",), ("max_target_length=1",)),
+    ("CAPACITY_FACTOR_INVALID", "error", ("capacity_factor=nan",), ("capacity_factor=1.5",)),
     ("TOPK_EXCEEDS_EXPERTS", "error", ("num_experts_per_tok=9",), ("num_experts_per_tok=8",)),
     ("DTYPE_UNKNOWN", "error", ("dtype=float64x",), ("dtype=bfloat16",)),
     ("HARDWARE_INVALID", "error", ("hardware.memory_gib=0",), ("hardware.memory_gib=1",)),

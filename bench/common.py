@@ -1,0 +1,82 @@
+"""Shared benchmark plumbing: devices, timing, tables, JSON and PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def use_cpu_devices(n: int = 8) -> None:
+    """Simulated CPU devices; must run before jax is imported."""
+    if "jax" in sys.modules:
+        raise RuntimeError("use_cpu_devices must run before jax is imported")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def median_time(fn, *args, runs: int = 5) -> tuple[float, list[float]]:
+    """Median wall time of `runs` calls after one warm-up (compile) call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def machine() -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    return {
+        "platform": dev.platform,
+        "device_kind": getattr(dev, "device_kind", ""),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A GitHub-markdown table of `rows` with (key, header) columns."""
+
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = [
+        "| " + " | ".join(h for _, h in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    lines += ["| " + " | ".join(cell(r.get(k, "")) for k, _ in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(study: str, payload: dict, figure) -> tuple[Path, Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS / f"{study}.json"
+    png_path = RESULTS / f"{study}.png"
+    json_path.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    figure.savefig(png_path, dpi=110, bbox_inches="tight")
+    return json_path, png_path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

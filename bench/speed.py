@@ -1,0 +1,179 @@
+"""Speed of each dispatch (fwd+bwd, one device) as a ratio to a dense SwiGLU MLP doing
+the same active work (tokens x k rows), measured in the same process; median of 5 runs.
+
+8,192 tokens per step (batch x sequence), emb 512, hidden 1024, k = 8, float32, over
+E in {8, 64, 128} and sequence lengths {1024, 8192}. The capacity path's masks grow
+with sub_seq^2 and dense does E/k times the work, so points where one would run for
+minutes are skipped and marked so.
+
+    python -m bench.speed            # add --quick for one E and fewer runs
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import layers  # noqa: E402
+import selector  # noqa: E402
+from bench.common import machine, median_time, pyplot, save, table
+from layers.programs import block_forward, fwd_bwd_loss  # noqa: E402
+
+TOKENS, EMB, HIDDEN, TOP_K, CAPACITY_FACTOR = 8192, 512, 1024, 8, 1.25
+MASK_LIMIT = 2.2e8  # elements of the (T, E, C) dispatch mask beyond which we skip
+DENSE_LIMIT = 2  # skip dense when it does more than this many times the routed work
+
+
+def mlp_step():
+    """fwd+bwd of a dense SwiGLU MLP over TOKENS x TOP_K rows: the reference time."""
+    mlp = layers.MlpBlock(EMB, HIDDEN, rngs=nnx.Rngs(0))
+    ws = (mlp.wi_0[...], mlp.wi_1[...], mlp.wo[...])
+    x = jax.random.normal(jax.random.key(0), (TOKENS * TOP_K, EMB))
+
+    def loss(ws, x):
+        a, b, c = ws
+        return jnp.sum(((jax.nn.silu(x @ a) * (x @ b)) @ c) ** 2)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    temp = fn.lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+    return fn, (ws, x), temp
+
+
+def block_step(strategy: str, experts: int, seq: int):
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=cpu_8",
+            "hardware=cpu",
+            f"dispatch={strategy}",
+            f"capacity_factor={CAPACITY_FACTOR if strategy == 'subgroup_capacity' else -1}",
+            f"base_emb_dim={EMB}",
+            f"base_moe_mlp_dim={HIDDEN}",
+            f"num_experts={experts}",
+            f"num_experts_per_tok={TOP_K}",
+            f"max_target_length={seq}",
+            f"per_device_batch_size={TOKENS // seq}",
+            "dtype=float32",
+        ]
+    )
+    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"data": 1}), rngs=nnx.Rngs(0))
+    fn = jax.jit(jax.grad(fwd_bwd_loss(block_forward(model)), argnums=(0, 1)))
+    x = jax.random.normal(jax.random.key(1), (TOKENS // seq, seq, EMB))
+    args = (model.weights(), x)
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return fn, args, temp, model.plan.gmm_backend
+
+
+def skip_reason(strategy: str, experts: int, seq: int) -> str | None:
+    if strategy == "subgroup_capacity":
+        cap = -(-seq * TOP_K * CAPACITY_FACTOR // experts)
+        if TOKENS * experts * cap > MASK_LIMIT:
+            return f"skipped: (T, E, C) mask of {TOKENS * experts * cap:.2g} elements"
+    if strategy == "dense" and experts / TOP_K > DENSE_LIMIT:
+        return f"skipped: {experts // TOP_K}x the routed work"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="E=64, seq 8192, 3 runs")
+    args = parser.parse_args()
+    runs = 3 if args.quick else 5
+    grid = [(64, 8192)] if args.quick else [(e, s) for e in (8, 64, 128) for s in (1024, 8192)]
+
+    mlp_fn, mlp_args, mlp_temp = mlp_step()
+    mlp_first, first_times = median_time(mlp_fn, *mlp_args, runs=runs)
+    print(f"dense MLP ({TOKENS * TOP_K} rows): median {mlp_first:.3f} s", flush=True)
+    rows, all_mlp = [], list(first_times)
+    for experts, seq in grid:
+        for strategy in ("megablox", "subgroup_capacity", "dense"):
+            row = {"strategy": strategy, "experts": experts, "seq": seq}
+            reason = skip_reason(strategy, experts, seq)
+            if reason:
+                row["note"] = reason
+            else:
+                fn, fargs, temp, backend = block_step(strategy, experts, seq)
+                t, times = median_time(fn, *fargs, runs=runs)
+                row.update(
+                    median_s=t,
+                    times_s=times,
+                    temp_mib=temp / 2**20,
+                    mem_vs_mlp=temp / mlp_temp,
+                    note=f"gmm: {backend}" if strategy == "megablox" else "",
+                )
+            rows.append(row)
+            print(
+                f"  E={experts:<4} seq={seq:<5} {strategy:<18} "
+                f"{row.get('median_s', float('nan')):7.3f} s  {row.get('note', '')}",
+                flush=True,
+            )
+    mlp_last, last_times = median_time(mlp_fn, *mlp_args, runs=runs)
+    all_mlp += last_times
+    mlp_median = sorted(all_mlp)[len(all_mlp) // 2]
+    for row in rows:
+        if "median_s" in row:
+            row["vs_mlp"] = row["median_s"] / mlp_median
+    print(
+        f"dense MLP median over both sets: {mlp_median:.3f} s "
+        f"(first {mlp_first:.3f}, last {mlp_last:.3f}); temp {mlp_temp / 2**20:.0f} MiB"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("strategy", "strategy"),
+                ("experts", "E"),
+                ("seq", "seq"),
+                ("vs_mlp", "time / MLP"),
+                ("mem_vs_mlp", "temp / MLP"),
+                ("temp_mib", "temp MiB"),
+                ("note", "note"),
+            ],
+        )
+    )
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for strategy, marker in (("megablox", "o"), ("subgroup_capacity", "s"), ("dense", "^")):
+        for seq, style in ((1024, "-"), (8192, "--")):
+            pts = [
+                r for r in rows if r["strategy"] == strategy and r["seq"] == seq and "vs_mlp" in r
+            ]
+            if pts:
+                ax.plot(
+                    [r["experts"] for r in pts],
+                    [r["vs_mlp"] for r in pts],
+                    marker + style,
+                    label=f"{strategy}, seq {seq}",
+                )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(1.5, color="red", lw=0.8, ls=":", label="1.5x target")
+    ax.set(
+        xscale="log",
+        xlabel="experts E",
+        ylabel="fwd+bwd time / dense MLP (same rows)",
+        title=f"{TOKENS} tokens, emb {EMB}, hidden {HIDDEN}, k={TOP_K}, one CPU device",
+    )
+    ax.set_xticks([8, 64, 128])
+    ax.set_xticklabels(["8", "64", "128"])
+    ax.legend(fontsize=7)
+    payload = {
+        "machine": machine(),
+        "tokens": TOKENS,
+        "emb": EMB,
+        "hidden": HIDDEN,
+        "top_k": TOP_K,
+        "runs": runs,
+        "mlp_median_s": mlp_median,
+        "mlp_times_s": all_mlp,
+        "mlp_temp_mib": mlp_temp / 2**20,
+        "rows": rows,
+    }
+    print("wrote", *save("speed" + ("_quick" if args.quick else ""), payload, fig))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Property-based tests: no input, however wrong, makes the selector crash or go quiet."""
+
+import contextlib
+import dataclasses
+import io
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import selector
+from selector import Config, ConfigError, Dispatch, Mode
+from selector.cli import main
+from selector.config import MESH_AXES
+
+axis_size = st.sampled_from([-1, 0, 1, 1, 1, 2, 2, 3, 4, 8, 16, 1 << 40])
+odd_float = st.one_of(
+    st.sampled_from(
+        [0.0, -1.0, 0.125, 0.25, 0.3, 0.5, 1.0, 2.0, 1e300, math.inf, -math.inf, math.nan]
+    ),
+    st.floats(min_value=-4, max_value=64, allow_nan=False),
+)
+odd_int = st.one_of(
+    st.sampled_from([0, -1, 1, 2, 7, 8, 64, 1 << 40]), st.integers(min_value=-8, max_value=1 << 20)
+)
+
+
+@st.composite
+def configs(draw) -> Config:
+    mesh = {f"ici_{a}_parallelism": draw(axis_size) for a in MESH_AXES}
+    mesh.update(
+        {f"dcn_{a}_parallelism": draw(st.sampled_from([1, 1, 1, -1, 2, 0])) for a in MESH_AXES}
+    )
+    return Config(
+        **mesh,
+        num_slices=draw(st.sampled_from([1, 1, 2, 0, -1])),
+        num_devices=draw(
+            st.one_of(st.none(), st.sampled_from([1, 2, 8, 12, 64, 256, 0, -8, 1 << 30]))
+        ),
+        per_device_batch_size=draw(odd_float),
+        max_target_length=draw(odd_int),
+        base_emb_dim=draw(odd_int),
+        base_moe_mlp_dim=draw(odd_int),
+        num_experts=draw(st.sampled_from([1, 2, 8, 64, 512, 0, -2, 1 << 20])),
+        num_experts_per_tok=draw(st.sampled_from([1, 2, 8, 10, 0, -1, 600])),
+        capacity_factor=draw(odd_float),
+        mode=draw(st.sampled_from(list(Mode))),
+        dispatch=draw(st.sampled_from(list(Dispatch))),
+        context_parallel_load_balance=draw(st.booleans()),
+        allow_local_batch_inflation=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["bfloat16", "float32", "int4", ""])),
+    )
+
+
+@st.composite
+def plausible_configs(draw) -> Config:
+    """Mostly valid configs, so the plan's own properties are exercised often."""
+    sizes = {a: draw(st.sampled_from([1, 1, 2, 4])) for a in MESH_AXES}
+    n = math.prod(sizes.values())
+    cp = sizes["context"] * sizes["context_usp_ulysses"] * sizes["context_autoregressive"]
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    local = draw(st.sampled_from([1, 1, 2, 3]))
+    experts = sizes["expert"] * draw(st.sampled_from([1, 2, 8]))
+    return Config(
+        **{f"ici_{a}_parallelism": s for a, s in sizes.items()},
+        dcn_data_parallelism=1,
+        num_devices=n,
+        per_device_batch_size=local * shards / n,
+        max_target_length=2 * cp * draw(st.sampled_from([1, 8, 512])),
+        base_emb_dim=64 * sizes["fsdp"],
+        base_moe_mlp_dim=64 * sizes["tensor"],
+        num_experts=experts,
+        num_experts_per_tok=draw(st.integers(1, experts)),
+        capacity_factor=draw(st.sampled_from([-1.0, 1.0, 1.25, 2.0])),
+        mode=draw(st.sampled_from(list(Mode))),
+        dispatch=draw(st.sampled_from(list(Dispatch))),
+        allow_local_batch_inflation=True,
+        dtype="bfloat16",
+    )
+
+
+def consistent(plan) -> None:
+    d = plan.per_device
+    global_tokens = d.global_batch * d.seq_len
+    assert math.isclose(
+        d.tokens_per_device * d.num_devices, global_tokens * d.replication, rel_tol=1e-9
+    )
+    assert d.num_devices == plan.mesh.num_devices
+    assert d.gmm_rows == d.tokens_per_device * (d.gmm_rows / d.tokens_per_device)
+    assert sum(c.chosen for c in plan.candidates) == 1
+    assert plan.chosen_estimate.strategy is plan.strategy
+
+
+RESOLVED: list = []  # plans built by the property test (checked below)
+
+PROPERTY_SETTINGS = settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@PROPERTY_SETTINGS
+@given(st.one_of(configs(), plausible_configs()))
+def test_validate_never_raises_and_resolve_raises_only_config_error(cfg):
+    findings = selector.validate(cfg)
+    assert all(f.code and f.message for f in findings)
+    try:
+        plan = selector.resolve(cfg)
+    except ConfigError as exc:
+        assert exc.findings and any(f.severity.value == "error" for f in exc.findings)
+        return
+    RESOLVED.append(plan.strategy)
+    consistent(plan)
+    assert plan == selector.resolve(cfg)  # deterministic
+    if cfg.dispatch is not Dispatch.auto:
+        assert plan.strategy is cfg.dispatch  # an explicit choice is always honoured
+
+
+@PROPERTY_SETTINGS
+@given(
+    configs(),
+    st.dictionaries(
+        st.sampled_from(MESH_AXES + ("stage", "x")), st.sampled_from([1, 2, 4, 8]), max_size=4
+    ),
+)
+def test_live_mesh_shapes_never_crash(cfg, shape):
+    findings = selector.validate(cfg, shape)
+    assert isinstance(findings, list)
+
+
+MAXTEXT_BASE = Path(__file__).parent / "fixtures" / "maxtext" / "base.yml"
+KEYS = [
+    "ici_context_parallelism",
+    "per_device_batch_size",
+    "max_target_length",
+    "num_experts",
+    "capacity_factor",
+    "dispatch",
+    "mode",
+    "model",
+    "mesh",
+    "hardware",
+    "num_devices",
+    "hardware.memory_gib",
+    "axis_rules.sequence",
+    "foo",
+    "",
+    "+bar",
+    "~num_devices",
+    "ici_context_parallelism@x",
+    "hydra.run.dir",
+    "model_name",
+    "sparse_matmul",
+    "logical_axis_rules",
+    "base_config",
+    "maxtext_config",
+]
+VALUES = st.one_of(
+    st.sampled_from(
+        [
+            "",
+            "0",
+            "-1",
+            "1",
+            "4",
+            "0.25",
+            "1e999",
+            "nan",
+            "inf",
+            "abc",
+            "null",
+            "[context,tensor]",
+            "[",
+            "${oc.env:HOME}",
+            "true",
+            "megablox",
+            "tiny",
+            "émoji💥",
+            "1,2",
+            "'quoted'",
+            "\\",
+            "=",
+            "2**40",
+        ]
+    ),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.sampled_from(KEYS), VALUES), max_size=4),
+    st.booleans(),
+    st.sampled_from(["hydra", "maxtext"]),
+)
+def test_cli_never_crashes_on_hostile_overrides(pairs, multirun, route):
+    argv = [f"{k}={v}" for k, v in pairs] + (["-m"] if multirun else [])
+    if route == "maxtext":  # the MaxText route parses its own key=value overrides
+        argv = [f"maxtext_config={MAXTEXT_BASE}", "num_devices=8", *argv]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    assert status in (0, 1, 2)
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+
+
+def test_the_property_run_built_many_plans():
+    """Guard against a generator that only ever produces rejected configs."""
+    if RESOLVED:  # only meaningful after the property test ran in this session
+        assert len(RESOLVED) >= 50, len(RESOLVED)
+        assert len(set(RESOLVED)) >= 3
+
+
+def test_plan_numbers_for_a_known_point():
+    """The consistency property, checked once by hand so a broken helper cannot hide."""
+    cfg = dataclasses.replace(
+        Config(),
+        num_devices=8,
+        ici_context_parallelism=4,
+        per_device_batch_size=0.25,
+        max_target_length=8192,
+    )
+    plan = selector.resolve(cfg)
+    consistent(plan)
+    assert plan.per_device.tokens_per_device * 8 == 2 * 8192
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_replication_factor_by_mode(mode):
+    cfg = Config(
+        num_devices=8,
+        ici_context_parallelism=2,
+        ici_tensor_parallelism=2,
+        per_device_batch_size=0.5,
+        max_target_length=64,
+        mode=mode,
+        allow_local_batch_inflation=True,
+    )
+    plan = selector.resolve(cfg)
+    consistent(plan)
+    assert plan.per_device.replication == (4 if mode is Mode.decode else 2)
