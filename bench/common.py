@@ -80,3 +80,16 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def log_x_axis(ax, ticks) -> None:
+    """A log-scale x axis labelled only at `ticks` (no minor-tick clutter)."""
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks))
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def load(study: str) -> dict:
+    """The JSON a study last wrote (for --replot)."""
+    return json.loads((RESULTS / f"{study}.json").read_text())

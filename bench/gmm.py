@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import machine, median_time, pyplot, save, table
+from bench.common import load, log_x_axis, machine, median_time, pyplot, save, table
 from layers.grouped_matmul import gmm
 
 ROWS, EMB, HIDDEN = 16384, 512, 1024
@@ -40,10 +40,43 @@ def timed(fn, args, runs):
     return t, times, temp
 
 
+def plot(payload: dict):
+    rows = payload["rows"]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for backend, kind, style in (
+        ("tiled_gmm", "uniform", "o-"),
+        ("tiled_gmm", "zipf", "s--"),
+        ("tiled_gmm", "all_to_one", "^:"),
+        ("ragged_dot", "uniform", "x-"),
+    ):
+        pts = [r for r in rows if r["backend"] == backend and r["routing"] == kind]
+        ax.plot(
+            [r["experts"] for r in pts],
+            [r["vs_dense"] for r in pts],
+            style,
+            label=f"{backend}, {kind}",
+        )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(
+        yscale="log",
+        xlabel="experts E",
+        ylabel="fwd+bwd time / dense matmul",
+        title=f"grouped matmul, {ROWS} rows, {EMB}x{HIDDEN}, one CPU device",
+    )
+    log_x_axis(ax, (8, 32, 64))
+    ax.legend(fontsize=7)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        print("wrote", *save("gmm", load("gmm"), plot(load("gmm"))))
+        return
     x = jax.random.normal(jax.random.key(0), (ROWS, EMB))
     w_dense = jax.random.normal(jax.random.key(1), (EMB, HIDDEN)) * 0.02
     dense_t, dense_times, dense_temp = timed(fwd_bwd(lambda x, w: x @ w), (x, w_dense), args.runs)
@@ -87,32 +120,6 @@ def main() -> None:
             ],
         )
     )
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for backend, kind, style in (
-        ("tiled_gmm", "uniform", "o-"),
-        ("tiled_gmm", "zipf", "s--"),
-        ("tiled_gmm", "all_to_one", "^:"),
-        ("ragged_dot", "uniform", "x-"),
-    ):
-        pts = [r for r in rows if r["backend"] == backend and r["routing"] == kind]
-        ax.plot(
-            [r["experts"] for r in pts],
-            [r["vs_dense"] for r in pts],
-            style,
-            label=f"{backend}, {kind}",
-        )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="experts E",
-        ylabel="fwd+bwd time / dense matmul",
-        title=f"grouped matmul, {ROWS} rows, {EMB}x{HIDDEN}, one CPU device",
-    )
-    ax.set_xticks([8, 32, 64])
-    ax.set_xticklabels(["8", "32", "64"])
-    ax.legend(fontsize=7)
     payload = {
         "machine": machine(),
         "rows_routed": ROWS,
@@ -124,7 +131,7 @@ def main() -> None:
         "dense_temp_mib": dense_temp / 2**20,
         "rows": rows,
     }
-    print("wrote", *save("gmm", payload, fig))
+    print("wrote", *save("gmm", payload, plot(payload)))
 
 
 if __name__ == "__main__":

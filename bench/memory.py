@@ -11,7 +11,7 @@ calibration (printed; copy it into selector/cost.py) and checks it on a held-out
 
 from __future__ import annotations
 
-from bench.common import machine, pyplot, save, table, use_cpu_devices
+from bench.common import log_x_axis, machine, pyplot, save, table, use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -162,14 +162,12 @@ def main() -> None:
                 label=f"{s} (selector)",
             )
     ax.set(
-        xscale="log",
         yscale="log",
         xlabel="context parallelism cp",
         ylabel="temp MiB per device (fwd+bwd)",
-        xticks=[1, 2, 4, 8],
         title=f"MoE block memory vs cp (seq {MAIN['seq']}, E={MAIN['experts']})",
     )
-    ax.set_xticklabels(["1", "2", "4", "8"])
+    log_x_axis(ax, (1, 2, 4, 8))
     ax.legend(fontsize=7)
     paths = save(
         "memory",

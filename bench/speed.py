@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 
 import layers  # noqa: E402
 import selector  # noqa: E402
-from bench.common import machine, median_time, pyplot, save, table
+from bench.common import load, log_x_axis, machine, median_time, pyplot, save, table
 from layers.programs import block_forward, fwd_bwd_loss  # noqa: E402
 
 TOKENS, EMB, HIDDEN, TOP_K, CAPACITY_FACTOR = 8192, 512, 1024, 8, 1.25
@@ -77,10 +77,42 @@ def skip_reason(strategy: str, experts: int, seq: int) -> str | None:
     return None
 
 
+def plot(payload: dict):
+    rows = payload["rows"]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for strategy, marker in (("megablox", "o"), ("subgroup_capacity", "s"), ("dense", "^")):
+        for seq, style in ((1024, "-"), (8192, "--")):
+            pts = [
+                r for r in rows if r["strategy"] == strategy and r["seq"] == seq and "vs_mlp" in r
+            ]
+            if pts:
+                ax.plot(
+                    [r["experts"] for r in pts],
+                    [r["vs_mlp"] for r in pts],
+                    marker + style,
+                    label=f"{strategy}, seq {seq}",
+                )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(1.5, color="red", lw=0.8, ls=":", label="1.5x target (megablox)")
+    ax.set(
+        xlabel="experts E",
+        ylabel="fwd+bwd time / dense MLP (same rows)",
+        title=f"{TOKENS} tokens, emb {EMB}, hidden {HIDDEN}, k={TOP_K}, one CPU device",
+    )
+    log_x_axis(ax, sorted({r["experts"] for r in rows}))
+    ax.legend(fontsize=7)
+    return fig
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="E=64, seq 8192, 3 runs")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        print("wrote", *save("speed", load("speed"), plot(load("speed"))))
+        return
     runs = 3 if args.quick else 5
     grid = [(64, 8192)] if args.quick else [(e, s) for e in (8, 64, 128) for s in (1024, 8192)]
 
@@ -135,31 +167,6 @@ def main() -> None:
         )
     )
 
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for strategy, marker in (("megablox", "o"), ("subgroup_capacity", "s"), ("dense", "^")):
-        for seq, style in ((1024, "-"), (8192, "--")):
-            pts = [
-                r for r in rows if r["strategy"] == strategy and r["seq"] == seq and "vs_mlp" in r
-            ]
-            if pts:
-                ax.plot(
-                    [r["experts"] for r in pts],
-                    [r["vs_mlp"] for r in pts],
-                    marker + style,
-                    label=f"{strategy}, seq {seq}",
-                )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.axhline(1.5, color="red", lw=0.8, ls=":", label="1.5x target")
-    ax.set(
-        xscale="log",
-        xlabel="experts E",
-        ylabel="fwd+bwd time / dense MLP (same rows)",
-        title=f"{TOKENS} tokens, emb {EMB}, hidden {HIDDEN}, k={TOP_K}, one CPU device",
-    )
-    ax.set_xticks([8, 64, 128])
-    ax.set_xticklabels(["8", "64", "128"])
-    ax.legend(fontsize=7)
     payload = {
         "machine": machine(),
         "tokens": TOKENS,
@@ -172,7 +179,7 @@ def main() -> None:
         "mlp_temp_mib": mlp_temp / 2**20,
         "rows": rows,
     }
-    print("wrote", *save("speed" + ("_quick" if args.quick else ""), payload, fig))
+    print("wrote", *save("speed" + ("_quick" if args.quick else ""), payload, plot(payload)))
 
 
 if __name__ == "__main__":

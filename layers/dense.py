@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ffn import ExpertWeights, swiglu
+from .ffn import ExpertWeights, expert_swiglu
 from .router import partial_stats, route
 from .spec import MoESpec
 
@@ -23,14 +23,9 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         combine_TE = jnp.einsum(
             "tk,tke->te", weights_TK, jax.nn.one_hot(ids_TK, spec.num_experts, dtype=jnp.float32)
         )
+    dt = spec.compute_dtype
     with jax.named_scope("expert_compute"):
-        dt = spec.compute_dtype
-        xc = x_TM.astype(dt)
-        h_TEH = swiglu(
-            jnp.einsum("tm,emh->teh", xc, w.wi_0_EMH.astype(dt)),
-            jnp.einsum("tm,emh->teh", xc, w.wi_1_EMH.astype(dt)),
-        )
-        y_TEM = jnp.einsum("teh,ehm->tem", h_TEH, w.wo_EHM.astype(dt))
+        y_TEM = expert_swiglu(x_TM, w, dt, x_dims="t", h_dims="te")
     with jax.named_scope("combine"):
         y_TM = jnp.einsum("tem,te->tm", y_TEM, combine_TE.astype(dt))
     return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)

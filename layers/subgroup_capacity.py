@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ffn import ExpertWeights, swiglu
+from .ffn import ExpertWeights, expert_swiglu
 from .router import partial_stats, route
 from .spec import MoESpec
 
@@ -62,11 +62,7 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         x_clean = jnp.where(bad_BS1, 0, x_BSM).astype(dt)
         x_BECM = jnp.einsum("bsm,bsec->becm", x_clean, dispatch_BSEC.astype(dt))
     with jax.named_scope("expert_compute"):
-        h_BECH = swiglu(
-            jnp.einsum("becm,emh->bech", x_BECM, w.wi_0_EMH.astype(dt)),
-            jnp.einsum("becm,emh->bech", x_BECM, w.wi_1_EMH.astype(dt)),
-        )
-        y_BECM = jnp.einsum("bech,ehm->becm", h_BECH, w.wo_EHM.astype(dt))
+        y_BECM = expert_swiglu(x_BECM, w, dt, x_dims="bec", h_dims="bec")
     with jax.named_scope("combine"):
         y_BSM = jnp.einsum("becm,bsec->bsm", y_BECM, combine_BSEC.astype(dt))
         y_BSM = jnp.where(bad_BS1, jnp.nan, y_BSM)

@@ -40,9 +40,9 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
             f"{mesh.product(mesh.hidden_axes)}",
             "",
             "Per device",
-            f"  global batch           {_n(dev.global_batch)} sequences "
+            f"  global batch           {_n(dev.global_batch)} sequence(s) "
             f"(per_device_batch_size {cfg.per_device_batch_size:g} x {dev.num_devices} devices)",
-            f"  local batch            {_n(dev.local_batch)} sequences per batch shard",
+            f"  local batch            {_n(dev.local_batch)} sequence(s) per batch shard",
             f"  sequence, sub-sequence {_n(dev.seq_len)}, {_n(dev.sub_seq)} tokens (cp = {dev.cp})",
             f"  tokens per device      {_n(dev.tokens_per_device)}"
             + (f" (same tokens on {dev.replication} devices)" if dev.replication > 1 else ""),

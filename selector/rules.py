@@ -216,47 +216,49 @@ def sequence_divides_cp(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
     return []
 
 
-def experts_divide_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
-    shards = mesh.product(mesh.expert_axes)
-    if cfg.num_experts % shards:
-        return [
-            error(
-                "EXPERTS_NOT_DIVISIBLE",
-                "ici_expert_parallelism",
-                f"num_experts={cfg.num_experts} is not divisible by the expert axis size "
-                f"{shards}. Use an expert parallelism that divides {cfg.num_experts}.",
+# (finding code, dimension setting, mesh-view role, knob that sizes the role, fix hint)
+WEIGHT_DIVISIBILITY = (
+    (
+        "EXPERTS_NOT_DIVISIBLE",
+        "num_experts",
+        "expert_axes",
+        "ici_expert_parallelism",
+        "Use an expert parallelism that divides it.",
+    ),
+    (
+        "HIDDEN_NOT_DIVISIBLE",
+        "base_moe_mlp_dim",
+        "hidden_axes",
+        "ici_tensor_parallelism",
+        "Use a tensor parallelism that divides it.",
+    ),
+    (
+        "EMBED_NOT_DIVISIBLE",
+        "base_emb_dim",
+        "embed_axes",
+        "ici_fsdp_parallelism",
+        "Use an fsdp size that divides it, or move devices to data.",
+    ),
+)
+
+
+def weights_divide_axes(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """Each weight dimension must split evenly over the axes it rests sharded on."""
+    findings = []
+    for code, dim, role, knob, fix in WEIGHT_DIVISIBILITY:
+        axes = getattr(mesh, role)
+        shards, size = mesh.product(axes), getattr(cfg, dim)
+        if size % shards:
+            findings.append(
+                error(
+                    code,
+                    knob,
+                    f"{dim}={size} is not divisible by the {shards} shards "
+                    f"({' x '.join(f'{a}={mesh.size(a)}' for a in axes)}) the weights rest on. "
+                    f"{fix}",
+                )
             )
-        ]
-    return []
-
-
-def hidden_divides_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
-    shards = mesh.product(mesh.hidden_axes)
-    if cfg.base_moe_mlp_dim % shards:
-        return [
-            error(
-                "HIDDEN_NOT_DIVISIBLE",
-                "ici_tensor_parallelism",
-                f"base_moe_mlp_dim={cfg.base_moe_mlp_dim} is not divisible by the tensor axis "
-                f"size {shards}. Use a tensor parallelism that divides it.",
-            )
-        ]
-    return []
-
-
-def embed_divides_axis(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
-    shards = mesh.product(mesh.embed_axes)
-    if cfg.base_emb_dim % shards:
-        return [
-            error(
-                "EMBED_NOT_DIVISIBLE",
-                "ici_fsdp_parallelism",
-                f"base_emb_dim={cfg.base_emb_dim} is not divisible by the {shards} shards "
-                f"({', '.join(mesh.embed_axes)}) the weights rest on. Use an fsdp size that "
-                f"divides {cfg.base_emb_dim}, or move devices to data.",
-            )
-        ]
-    return []
+    return findings
 
 
 def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
@@ -296,9 +298,7 @@ LAYOUT_RULES = (
     batch_divides_shards,
     local_batch_inflation,
     sequence_divides_cp,
-    experts_divide_axis,
-    hidden_divides_axis,
-    embed_divides_axis,
+    weights_divide_axes,
     tokens_replicated,
     decode_context,
 )

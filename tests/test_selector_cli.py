@@ -102,3 +102,12 @@ def test_multirun_prints_one_report_per_job(tmp_path):
 def test_bad_value_inside_a_sweep_exits_2():
     out = run("-m", "ici_context_parallelism=1,x")
     assert out.returncode == 2 and "ici_context_parallelism=x" in out.stderr
+
+
+def test_the_cli_never_imports_jax():
+    code = (
+        "import sys; from selector.cli import main; status = main([]);"
+        "print(status, sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "0 []"
