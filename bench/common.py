@@ -22,6 +22,36 @@ def use_cpu_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def block_overrides(
+    strategy: str,
+    *,
+    emb: int,
+    hidden: int,
+    experts: int,
+    top_k: int,
+    seq: int,
+    per_device_batch_size: float,
+    capacity_factor: float = 1.25,
+) -> list[str]:
+    """selector.compose overrides for one benchmark point: the tiny preset resized,
+    float32 on CPU, the capacity factor applied only where it means something."""
+    return [
+        "model=tiny",
+        "mesh=cpu_8",
+        "hardware=cpu",
+        f"dispatch={strategy}",
+        f"capacity_factor={capacity_factor if strategy == 'subgroup_capacity' else -1}",
+        f"base_emb_dim={emb}",
+        f"base_moe_mlp_dim={hidden}",
+        f"num_experts={experts}",
+        f"num_experts_per_tok={top_k}",
+        f"max_target_length={seq}",
+        f"per_device_batch_size={per_device_batch_size}",
+        "dtype=float32",
+        "context_parallel_load_balance=false",
+    ]
+
+
 def median_time(fn, *args, runs: int = 5) -> tuple[float, list[float]]:
     """Median wall time of `runs` calls after one warm-up (compile) call."""
     import jax

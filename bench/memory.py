@@ -11,7 +11,7 @@ calibration (printed; copy it into selector/cost.py) and checks it on a held-out
 
 from __future__ import annotations
 
-from bench.common import log_x_axis, machine, pyplot, save, table, use_cpu_devices
+from bench.common import block_overrides, log_x_axis, machine, pyplot, save, table, use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -32,21 +32,16 @@ CAPACITY_FACTOR = 1.25
 def build(strategy: str, cp: int, shape: dict):
     """(typed config, block) for one point of the study."""
     cfg = selector.compose(
-        [
-            "model=tiny",
-            "mesh=cpu_8",
-            "hardware=cpu",
-            f"dispatch={strategy}",
-            f"capacity_factor={CAPACITY_FACTOR if strategy == 'subgroup_capacity' else -1}",
-            f"base_emb_dim={shape['emb']}",
-            f"base_moe_mlp_dim={shape['hidden']}",
-            f"num_experts={shape['experts']}",
-            f"num_experts_per_tok={shape['top_k']}",
-            f"max_target_length={shape['seq']}",
-            f"per_device_batch_size={1 / cp}",
-            "dtype=float32",
-            "context_parallel_load_balance=false",
-        ]
+        block_overrides(
+            strategy,
+            emb=shape["emb"],
+            hidden=shape["hidden"],
+            experts=shape["experts"],
+            top_k=shape["top_k"],
+            seq=shape["seq"],
+            per_device_batch_size=1 / cp,
+            capacity_factor=CAPACITY_FACTOR,
+        )
     )
     mesh = layers.make_mesh({"data": 1, "context": cp})
     return selector.to_config(cfg), layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))

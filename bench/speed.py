@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import argparse
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-import layers  # noqa: E402
-import selector  # noqa: E402
-from bench.common import load, log_x_axis, machine, median_time, pyplot, save, table
-from layers.programs import block_forward, fwd_bwd_loss  # noqa: E402
+import layers
+import selector
+from bench.common import (
+    block_overrides,
+    load,
+    log_x_axis,
+    machine,
+    median_time,
+    pyplot,
+    save,
+    table,
+)
+from layers.programs import block_forward, fwd_bwd_loss
 
 TOKENS, EMB, HIDDEN, TOP_K, CAPACITY_FACTOR = 8192, 512, 1024, 8, 1.25
 MASK_LIMIT = 2.2e8  # elements of the (T, E, C) dispatch mask beyond which we skip
@@ -44,20 +53,16 @@ def mlp_step():
 
 def block_step(strategy: str, experts: int, seq: int):
     cfg = selector.compose(
-        [
-            "model=tiny",
-            "mesh=cpu_8",
-            "hardware=cpu",
-            f"dispatch={strategy}",
-            f"capacity_factor={CAPACITY_FACTOR if strategy == 'subgroup_capacity' else -1}",
-            f"base_emb_dim={EMB}",
-            f"base_moe_mlp_dim={HIDDEN}",
-            f"num_experts={experts}",
-            f"num_experts_per_tok={TOP_K}",
-            f"max_target_length={seq}",
-            f"per_device_batch_size={TOKENS // seq}",
-            "dtype=float32",
-        ]
+        block_overrides(
+            strategy,
+            emb=EMB,
+            hidden=HIDDEN,
+            experts=experts,
+            top_k=TOP_K,
+            seq=seq,
+            per_device_batch_size=TOKENS // seq,
+            capacity_factor=CAPACITY_FACTOR,
+        )
     )
     model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"data": 1}), rngs=nnx.Rngs(0))
     fn = jax.jit(jax.grad(fwd_bwd_loss(block_forward(model)), argnums=(0, 1)))
