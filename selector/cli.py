@@ -8,6 +8,7 @@ starts, and the job itself catches what it raises.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -24,7 +25,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from .api import analyse_any
 from .compose import _FIELDS, compose, conf_dir, register_schema, to_config
-from .config import OutputFormat
+from .config import AxisRules, Hardware, OutputFormat
 from .findings import errors_in
 from .maxtext import MaxTextError, from_maxtext
 from .report import render_json, render_text
@@ -53,14 +54,18 @@ def _first_line(text: str) -> str:
 
 
 def _valid_keys() -> list[str]:
-    return sorted(
-        _FIELDS
-        | {
-            f"hardware.{k}"
-            for k in ("name", "platform", "memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbps")
-        }
-        | {f"axis_rules.{k}" for k in ("batch", "sequence", "experts", "hidden")}
-        | {"model", "mesh", "hardware"}
+    nested = {f"hardware.{f.name}" for f in dataclasses.fields(Hardware)}
+    nested |= {f"axis_rules.{f.name}" for f in dataclasses.fields(AxisRules)}
+    return sorted(_FIELDS | nested | {"model", "mesh", "hardware"})
+
+
+def _unknown_key(key: str, line: str, why: str = "") -> str:
+    """The message for a key the schema does not have, with the closest real keys."""
+    close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return (
+        f"Unknown setting {key!r} (override {line!r}){why}.{hint} Settings use MaxText's "
+        "spelling; `python -m selector --cfg job` lists every key and its value."
     )
 
 
@@ -91,12 +96,7 @@ def explain(exc: BaseException, line: str) -> str:
         or "not in struct" in str(cause)
         or (cause is not None and "not in" in str(cause) and "Key" in str(cause))
     ):
-        close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
-        hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        return (
-            f"Unknown setting {key!r} (override {line!r}).{hint} Settings use MaxText's "
-            "spelling; `python -m selector --cfg job` lists every key and its value."
-        )
+        return _unknown_key(key, line)
     if isinstance(cause, ValidationError):
         return (
             f"Setting {key!r} cannot take the value in {line!r}: "
@@ -136,19 +136,11 @@ def precheck(argv: list[str]) -> str | None:
             culprit = line or _culprit(lines)
             return explain(exc, culprit)
         extra = sorted(set(cfg.keys()) - _FIELDS)
-        if extra:
-            return explain_unknown(extra[0], lines)
+        if extra:  # added with `+key=...`: composes, but nothing would read it
+            key = extra[0]
+            line = next((ln for ln in lines if ln.lstrip("+").split("=", 1)[0] == key), key)
+            return _unknown_key(key, line, ": the selector would ignore it")
     return None
-
-
-def explain_unknown(key: str, lines: list[str]) -> str:
-    line = next((ln for ln in lines if ln.lstrip("+").split("=", 1)[0] == key), key)
-    close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return (
-        f"Unknown setting {key!r} (override {line!r}): the selector would ignore it.{hint} "
-        "Settings use MaxText's spelling; `python -m selector --cfg job` lists them."
-    )
 
 
 def _parses_badly(arg: str) -> bool:
@@ -177,6 +169,28 @@ def _job_overrides() -> list[str] | None:
     return list(hc.overrides.task)
 
 
+def _report(config, plan, findings, *, overrides=None, maxtext=None) -> int:
+    """Print one report (text or JSON) and return its exit status."""
+    if config.output is OutputFormat.json:
+        payload = json.loads(render_json(config, plan, findings, overrides))
+        if maxtext is not None:
+            payload["maxtext"] = {"files": maxtext.files, "ignored": maxtext.ignored}
+        print(json.dumps(payload, sort_keys=True), flush=True)
+    else:
+        if overrides is not None:
+            print(f"=== job: {' '.join(overrides) or '(defaults)'}")
+        if maxtext is not None:
+            ignored = maxtext.ignored
+            more = f", ... ({len(ignored) - 12} more)" if len(ignored) > 12 else ""
+            print(f"MaxText config: {' <- '.join(maxtext.files)}")
+            print(
+                f"Ignored {len(ignored)} MaxText keys the MoE block does not use: "
+                f"{', '.join(ignored[:12]) or '-'}{more}\n"
+            )
+        print(render_text(config, plan, findings), flush=True)
+    return EXIT_INVALID if errors_in(findings) else EXIT_OK
+
+
 class _Job:
     """The Hydra task: reports one composed config and remembers the worst status."""
 
@@ -187,14 +201,7 @@ class _Job:
         try:
             config = to_config(cfg)
             plan, findings = analyse_any(config)
-            overrides = _job_overrides()
-            if config.output is OutputFormat.json:
-                print(render_json(config, plan, findings, overrides), flush=True)
-            else:
-                if overrides is not None:
-                    print(f"=== job: {' '.join(overrides) or '(defaults)'}")
-                print(render_text(config, plan, findings), flush=True)
-            status = EXIT_INVALID if errors_in(findings) else EXIT_OK
+            status = _report(config, plan, findings, overrides=_job_overrides())
         except (OmegaConfBaseException, ValueError, TypeError) as exc:
             print(f"error: cannot use this config: {_first_line(exc)}", file=sys.stderr)
             status = EXIT_USAGE
@@ -219,22 +226,7 @@ def maxtext_main(argv: list[str]) -> int:
     except (MaxTextError, ValueError, TypeError) as exc:
         print(f"error: {_first_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    findings = imported.findings + findings
-    config = imported.config
-    if config.output is OutputFormat.json:
-        payload = json.loads(render_json(config, plan, findings))
-        payload["maxtext"] = {"files": imported.files, "ignored": imported.ignored}
-        print(json.dumps(payload, sort_keys=True))
-    else:
-        shown = ", ".join(imported.ignored[:12])
-        more = f", ... ({len(imported.ignored) - 12} more)" if len(imported.ignored) > 12 else ""
-        print(f"MaxText config: {' <- '.join(imported.files)}")
-        print(
-            f"Ignored {len(imported.ignored)} MaxText keys the MoE block does not use: "
-            f"{shown or '-'}{more}\n"
-        )
-        print(render_text(config, plan, findings))
-    return EXIT_INVALID if errors_in(findings) else EXIT_OK
+    return _report(imported.config, plan, imported.findings + findings, maxtext=imported)
 
 
 def main(argv: list[str] | None = None) -> int:
