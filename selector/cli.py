@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 import sys
 
@@ -169,25 +170,36 @@ def _job_overrides() -> list[str] | None:
     return list(hc.overrides.task)
 
 
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that went away (`| head`) is not an error of ours."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _report(config, plan, findings, *, overrides=None, maxtext=None) -> int:
     """Print one report (text or JSON) and return its exit status."""
     if config.output is OutputFormat.json:
         payload = json.loads(render_json(config, plan, findings, overrides))
         if maxtext is not None:
             payload["maxtext"] = {"files": maxtext.files, "ignored": maxtext.ignored}
-        print(json.dumps(payload, sort_keys=True), flush=True)
+        _emit(json.dumps(payload, sort_keys=True))
     else:
+        lines = []
         if overrides is not None:
-            print(f"=== job: {' '.join(overrides) or '(defaults)'}")
+            lines.append(f"=== job: {' '.join(overrides) or '(defaults)'}")
         if maxtext is not None:
             ignored = maxtext.ignored
             more = f", ... ({len(ignored) - 12} more)" if len(ignored) > 12 else ""
-            print(f"MaxText config: {' <- '.join(maxtext.files)}")
-            print(
+            lines.append(f"MaxText config: {' <- '.join(maxtext.files)}")
+            lines.append(
                 f"Ignored {len(ignored)} MaxText keys the MoE block does not use: "
                 f"{', '.join(ignored[:12]) or '-'}{more}\n"
             )
-        print(render_text(config, plan, findings), flush=True)
+        lines.append(render_text(config, plan, findings))
+        _emit("\n".join(lines))
     return EXIT_INVALID if errors_in(findings) else EXIT_OK
 
 

@@ -111,3 +111,15 @@ def test_the_cli_never_imports_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    """`python -m selector | head -1`: the reader leaves early; no traceback, status kept."""
+    proc = subprocess.Popen([sys.executable, "-m", "selector", *REPORTED,
+                             "per_device_batch_size=1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    with proc:
+        proc.stdout.close()  # nobody reads the report
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err
