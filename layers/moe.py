@@ -55,7 +55,7 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     """
     layout.check_input(x_BSM.shape)
     local = STRATEGIES[strategy]
-    if layout.mesh.size == 1:  # nothing to shard or reduce: skip the shard_map's copies
+    if layout.mesh.size == 1:  # one device: nothing to shard or reduce, no shard_map needed
         y, sums = local(x_BSM, w, spec)
         return y, finish_stats(sums, spec.top_k)
 

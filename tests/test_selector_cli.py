@@ -115,9 +115,11 @@ def test_the_cli_never_imports_jax():
 
 def test_a_closed_pipe_is_not_a_traceback():
     """`python -m selector | head -1`: the reader leaves early; no traceback, status kept."""
-    proc = subprocess.Popen([sys.executable, "-m", "selector", *REPORTED,
-                             "per_device_batch_size=1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "selector", *REPORTED, "per_device_batch_size=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     with proc:
         proc.stdout.close()  # nobody reads the report
         err = proc.stderr.read().decode()
