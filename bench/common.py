@@ -78,6 +78,40 @@ def machine() -> dict:
     }
 
 
+# Table columns (key, header) shared by each study's printout and bench/report.py.
+MEMORY_COLUMNS = [
+    ("strategy", "strategy"),
+    ("cp", "cp"),
+    ("tokens_per_device", "tokens/device"),
+    ("temp_mib", "compiled MiB"),
+    ("predicted_mib", "selector MiB"),
+    ("error", "selector error"),
+]
+CP_RATIO_COLUMNS = [
+    ("strategy", "strategy"),
+    ("cp1", "cp=1 MiB"),
+    ("cp4", "cp=4 MiB"),
+    ("ratio", "cp=4 / cp=1"),
+]
+SPEED_COLUMNS = [
+    ("strategy", "strategy"),
+    ("experts", "E"),
+    ("seq", "seq"),
+    ("vs_mlp", "time / MLP"),
+    ("mem_vs_mlp", "temp / MLP"),
+    ("temp_mib", "temp MiB"),
+    ("note", "note"),
+]
+GMM_COLUMNS = [
+    ("backend", "backend"),
+    ("experts", "E"),
+    ("routing", "routing"),
+    ("vs_dense", "time / dense"),
+    ("temp_vs_dense", "temp / dense"),
+    ("temp_mib", "temp MiB"),
+]
+
+
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A GitHub-markdown table of `rows` with (key, header) columns."""
 

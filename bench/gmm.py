@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import load, log_x_axis, machine, median_time, pyplot, save, table
+from bench.common import GMM_COLUMNS, load, log_x_axis, machine, median_time, pyplot, save, table
 from layers.grouped_matmul import gmm
 
 ROWS, EMB, HIDDEN = 16384, 512, 1024
@@ -107,19 +107,7 @@ def main() -> None:
                     f"({t / dense_t:.2f}x dense)",
                     flush=True,
                 )
-    print(
-        table(
-            rows,
-            [
-                ("backend", "backend"),
-                ("experts", "E"),
-                ("routing", "routing"),
-                ("vs_dense", "time / dense"),
-                ("temp_vs_dense", "temp / dense"),
-                ("temp_mib", "temp MiB"),
-            ],
-        )
-    )
+    print(table(rows, GMM_COLUMNS))
     payload = {
         "machine": machine(),
         "rows_routed": ROWS,

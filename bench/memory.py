@@ -11,7 +11,17 @@ calibration (printed; copy it into selector/cost.py) and checks it on a held-out
 
 from __future__ import annotations
 
-from bench.common import block_overrides, log_x_axis, machine, pyplot, save, table, use_cpu_devices
+from bench.common import (
+    CP_RATIO_COLUMNS,
+    MEMORY_COLUMNS,
+    block_overrides,
+    log_x_axis,
+    machine,
+    pyplot,
+    save,
+    table,
+    use_cpu_devices,
+)
 
 use_cpu_devices(8)
 
@@ -117,31 +127,13 @@ def main() -> None:
                 "ratio": r4["temp_mib"] / r1["temp_mib"],
             }
         )
-    cols = [
-        ("strategy", "strategy"),
-        ("cp", "cp"),
-        ("tokens_per_device", "tokens/device"),
-        ("temp_mib", "compiled MiB"),
-        ("predicted_mib", "selector MiB"),
-        ("error", "error"),
-    ]
-    print(table(rows, cols))
+    print(table(rows, MEMORY_COLUMNS))
     print("\nheld-out shape", HOLDOUT)
-    print(table(holdout, cols))
+    print(table(holdout, MEMORY_COLUMNS))
     fitted = fit_calibration(rows)
     print("\nfitted MEMORY_CALIBRATION (selector/cost.py):", fitted)
     print("\ncp=4 / cp=1")
-    print(
-        table(
-            summary,
-            [
-                ("strategy", "strategy"),
-                ("cp1", "cp=1 MiB"),
-                ("cp4", "cp=4 MiB"),
-                ("ratio", "cp4/cp1"),
-            ],
-        )
-    )
+    print(table(summary, CP_RATIO_COLUMNS))
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))

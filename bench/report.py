@@ -5,7 +5,14 @@ python -m bench.report > /tmp/results.md   # then paste under "## Results"
 
 from __future__ import annotations
 
-from bench.common import load, table
+from bench.common import (
+    CP_RATIO_COLUMNS,
+    GMM_COLUMNS,
+    MEMORY_COLUMNS,
+    SPEED_COLUMNS,
+    load,
+    table,
+)
 
 
 def memory_section(mem: dict) -> list[str]:
@@ -23,27 +30,9 @@ def memory_section(mem: dict) -> list[str]:
         "computation with the same grouped matmul, but on (batch x sequence) flattened and "
         "sorted globally under plain jit, so the difference is the sharding alone. `selector` is "
         "the selector's predicted per-device memory for the same point.\n",
-        table(
-            rows,
-            [
-                ("strategy", "strategy"),
-                ("cp", "cp"),
-                ("tokens_per_device", "tokens/device"),
-                ("temp_mib", "compiled MiB"),
-                ("predicted_mib", "selector MiB"),
-                ("error", "selector error"),
-            ],
-        ),
+        table(rows, MEMORY_COLUMNS),
         "",
-        table(
-            mem["summary"],
-            [
-                ("strategy", "strategy"),
-                ("cp1", "cp=1 MiB"),
-                ("cp4", "cp=4 MiB"),
-                ("ratio", "cp=4 / cp=1"),
-            ],
-        ),
+        table(mem["summary"], CP_RATIO_COLUMNS),
         "",
         "The selector's memory coefficients (`selector/cost.py`, `MEMORY_CALIBRATION`) are "
         f"fitted on this study; its worst error here is {worst:.1%}. On a held-out shape "
@@ -62,17 +51,7 @@ def speed_section(spd: dict) -> list[str]:
         f"same {spd['tokens'] * spd['top_k']} rows measured in the same process (its median over "
         f"both sets of runs: {spd['mlp_median_s']:.2f} s; temp {spd['mlp_temp_mib']:.0f} MiB). "
         "Points where a strategy would run for minutes are skipped and marked.\n",
-        table(
-            spd["rows"],
-            [
-                ("strategy", "strategy"),
-                ("experts", "E"),
-                ("seq", "seq"),
-                ("vs_mlp", "time / MLP"),
-                ("mem_vs_mlp", "temp / MLP"),
-                ("note", "note"),
-            ],
-        ),
+        table(spd["rows"], SPEED_COLUMNS),
         "",
     ]
 
@@ -83,17 +62,7 @@ def gmm_section(gmm: dict) -> list[str]:
         f"fwd+bwd of one grouped matmul over {gmm['rows_routed']} routed rows, {gmm['emb']} x "
         f"{gmm['hidden']}, against the dense matmul of the same work (median "
         f"{gmm['dense_median_s']:.3f} s, temp {gmm['dense_temp_mib']:.0f} MiB).\n",
-        table(
-            gmm["rows"],
-            [
-                ("backend", "backend"),
-                ("experts", "E"),
-                ("routing", "routing"),
-                ("vs_dense", "time / dense"),
-                ("temp_vs_dense", "temp / dense"),
-                ("temp_mib", "temp MiB"),
-            ],
-        ),
+        table(gmm["rows"], GMM_COLUMNS),
         "\n![gmm](bench/results/gmm.png)",
     ]
 

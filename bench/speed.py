@@ -20,6 +20,7 @@ from flax import nnx
 import layers
 import selector
 from bench.common import (
+    SPEED_COLUMNS,
     block_overrides,
     load,
     log_x_axis,
@@ -157,20 +158,7 @@ def main() -> None:
         f"dense MLP median over both sets: {mlp_median:.3f} s "
         f"(first {mlp_first:.3f}, last {mlp_last:.3f}); temp {mlp_temp / 2**20:.0f} MiB"
     )
-    print(
-        table(
-            rows,
-            [
-                ("strategy", "strategy"),
-                ("experts", "E"),
-                ("seq", "seq"),
-                ("vs_mlp", "time / MLP"),
-                ("mem_vs_mlp", "temp / MLP"),
-                ("temp_mib", "temp MiB"),
-                ("note", "note"),
-            ],
-        )
-    )
+    print(table(rows, SPEED_COLUMNS))
 
     payload = {
         "machine": machine(),
