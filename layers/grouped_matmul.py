@@ -91,13 +91,12 @@ def _flat_schedule(counts_E, max_tiles: int):
     return expert.astype(jnp.int32), within.astype(jnp.int32), ends[-1]
 
 
-def _tail_slice(a_RX, first, end, tile: int):
-    """A `tile`-row slice holding rows [first, end), and the mask of those rows."""
-    rows = a_RX.shape[0]
-    start = jnp.minimum(first, rows - tile)  # keep the slice inside the array
+def _tail_window(first, end, rows: int, tile: int):
+    """(start, keep_T1): a `tile`-row window inside the array holding rows [first, end),
+    and the mask of those rows (the start is clamped as dynamic_slice would clamp it)."""
+    start = jnp.minimum(first, rows - tile)
     row = start + jnp.arange(tile)
-    keep = ((row >= first) & (row < end))[:, None]
-    return start, lax.dynamic_slice_in_dim(a_RX, start, tile), keep
+    return start, ((row >= first) & (row < end))[:, None]
 
 
 def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
@@ -124,9 +123,7 @@ def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
 
     def tail_tile(i, outs):
         e = expert[i]
-        start = jnp.minimum(tail_first_E[e], rows - tail)  # keep the slice inside the array
-        row = start + jnp.arange(tail)
-        keep = ((row >= tail_first_E[e]) & (row < ends_E[e]))[:, None]
+        start, keep = _tail_window(tail_first_E[e], ends_E[e], rows, tail)
         ys = tile_fn(e, [lax.dynamic_slice_in_dim(x, start, tail) for x in xs_RK])
         return tuple(
             lax.dynamic_update_slice_in_dim(
@@ -212,10 +209,9 @@ def _tgmm_tiled(x_RK, dy_RN, group_sizes_E):
             acc_KN = lax.cond(count_E[e] > 0, one_tile, lambda acc: acc, acc_KN)
 
         def tail_tile(acc):
-            start, x_TK, keep = _tail_slice(x_RK, tail_first_E[e], ends_E[e], tail)
-            return acc + _xt_dy(
-                jnp.where(keep, x_TK, 0), lax.dynamic_slice_in_dim(dy_RN, start, tail)
-            )
+            start, keep = _tail_window(tail_first_E[e], ends_E[e], rows, tail)
+            x_TK = jnp.where(keep, lax.dynamic_slice_in_dim(x_RK, start, tail), 0)
+            return acc + _xt_dy(x_TK, lax.dynamic_slice_in_dim(dy_RN, start, tail))
 
         acc_KN = lax.cond(tail_E[e] > 0, tail_tile, lambda acc: acc, acc_KN)
         return lax.dynamic_update_index_in_dim(dw, acc_KN.astype(dw.dtype), e, 0)
