@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
-from .findings import Finding, warning
-from .plan import DispatchPlan, analyse, resolve_config, validate_config
+from .findings import ConfigError, Finding, errors_in, warning
+from .plan import DispatchPlan, analyse
 
 
 def _typed(cfg: Any, mesh: Any) -> tuple[Config, list[Finding]]:
@@ -33,30 +33,33 @@ def _typed(cfg: Any, mesh: Any) -> tuple[Config, list[Finding]]:
     return config, notes
 
 
+def analyse_any(cfg: Any, mesh: Any = None) -> tuple[DispatchPlan | None, list[Finding]]:
+    """(plan or None, every finding) without raising: what the CLI reports.
+
+    The plan's findings include the notes about the live mesh."""
+    config, notes = _typed(cfg, mesh)
+    plan, findings = analyse(config, live_mesh_shape(mesh))
+    findings = notes + findings
+    if plan is not None and notes:
+        plan = dataclasses.replace(plan, findings=tuple(findings))
+    return plan, findings
+
+
 def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
     """The DispatchPlan for `cfg` (Config, DictConfig or mapping) on `mesh`.
 
     `mesh` is a live `jax.sharding.Mesh` (its shape wins over the config's mesh knobs)
     or None. Raises `ConfigError` listing every finding when any is an error.
     """
-    config, notes = _typed(cfg, mesh)
-    plan = resolve_config(config, live_mesh_shape(mesh))
-    if notes:
-        plan = dataclasses.replace(plan, findings=tuple(notes) + plan.findings)
+    plan, findings = analyse_any(cfg, mesh)
+    if plan is None or errors_in(findings):
+        raise ConfigError(findings)
     return plan
 
 
 def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
     """Every finding for `cfg` on `mesh`; never raises for a bad config."""
-    config, notes = _typed(cfg, mesh)
-    return notes + validate_config(config, live_mesh_shape(mesh))
-
-
-def analyse_any(cfg: Any, mesh: Any = None):
-    """(plan or None, findings) without raising: what the CLI reports."""
-    config, notes = _typed(cfg, mesh)
-    plan, findings = analyse(config, live_mesh_shape(mesh))
-    return plan, notes + findings
+    return analyse_any(cfg, mesh)[1]
 
 
 def _moe_dispatch(path: str = "", *, _root_) -> str:

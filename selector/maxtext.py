@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from .config import MESH_AXES, AxisRules, Config, Dispatch, Hardware, Mode
+from .compose import conf_dir as packaged_conf
+from .config import MESH_AXES, AxisRules, Config, Dispatch, Hardware, Mode, OutputFormat
 from .findings import Finding, warning
 
 # MaxText keys copied one to one.
@@ -266,8 +267,6 @@ def from_maxtext(
 ) -> MaxTextImport:
     """Read a MaxText config (and overrides) into a typed Config, with what was ignored
     and the MaxText-specific findings. Raises MaxTextError for unreadable input."""
-    from .compose import conf_dir as packaged_conf
-
     conf_dir = conf_dir or packaged_conf()
     over = parse_overrides(overrides)
     raw, files = _load_chain(Path(path))
@@ -298,8 +297,6 @@ def from_maxtext(
     if "hardware" in raw:
         values["hardware"] = _hardware(raw["hardware"], conf_dir)
     if "output" in raw:
-        from .config import OutputFormat
-
         values["output"] = _coerce("output", raw["output"], OutputFormat)
     cfg = Config(**values)
 

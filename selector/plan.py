@@ -1,4 +1,4 @@
-"""resolve / validate on typed config: the pure core of the selector (no jax)."""
+"""analyse: the pure core of the selector (no jax). Typed config in, plan and findings out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from . import rules
 from .config import Config, Dispatch
 from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
-from .findings import ConfigError, Finding, Severity, errors_in, warning
+from .findings import Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
 from .policy import candidates_for, choose, gmm_backend, weights_in_block
 
@@ -107,8 +107,6 @@ def analyse(
         findings += rule(cfg, mesh, dev)
 
     estimates = {s: estimate(s, cfg, mesh, dev) for s in candidates_for(cfg)}
-    if cfg.dispatch is Dispatch.mlp and Dispatch.mlp not in estimates:
-        estimates[Dispatch.mlp] = estimate(Dispatch.mlp, cfg, mesh, dev)
     strategy, reason, verdicts = choose(cfg, estimates)
     findings += rules.capacity_settings(cfg, dev, strategy)
     findings += rules.capacity_too_small(cfg, dev, strategy)
@@ -128,16 +126,3 @@ def analyse(
         expert_weights=weights_in_block(mesh),
     )
     return plan, findings
-
-
-def resolve_config(cfg: Config, live_shape: Mapping[str, int] | None = None) -> DispatchPlan:
-    """The plan, or ConfigError listing every finding when any is an error."""
-    plan, findings = analyse(cfg, live_shape)
-    if plan is None or errors_in(findings):
-        raise ConfigError(findings)
-    return plan
-
-
-def validate_config(cfg: Config, live_shape: Mapping[str, int] | None = None) -> list[Finding]:
-    """Every finding; never raises for a bad config."""
-    return analyse(cfg, live_shape)[1]

@@ -22,7 +22,8 @@ ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
 
 
 def candidates_for(cfg: Config) -> tuple[Dispatch, ...]:
-    if cfg.num_experts == 1:
+    """The routed dispatches, plus the plain MLP for one expert or when asked for."""
+    if cfg.num_experts == 1 or cfg.dispatch is Dispatch.mlp:
         return (Dispatch.mlp,) + ROUTED
     return ROUTED
 
