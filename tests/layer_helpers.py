@@ -9,7 +9,7 @@ from flax import nnx
 
 import layers
 import selector
-from layers.programs import compile_fwd_bwd
+from layers.programs import block_forward, compile_fwd_bwd
 
 
 def build(
@@ -51,12 +51,11 @@ def inputs(batch: int, seq: int, emb: int = 64, seed: int = 1):
 
 def loss_and_grads(model: layers.MoEBlock, x, cot):
     """jit-compiled (y, stats, d loss / d weights, d loss / d x) for loss = <y, cot>."""
-    layout = model.layout
-    x = jax.device_put(x, layout.named(layout.x_BSM))
-    strategy, spec = model.plan.strategy, model.spec
+    x = jax.device_put(x, model.layout.named(model.layout.x_BSM))
+    forward = block_forward(model)
 
     def loss(w, x):
-        y, stats = layers.moe.sharded_forward(strategy, layout, spec, x, w)
+        y, stats = forward(w, x)
         return jnp.sum(y * cot), (y, stats)
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
