@@ -5,7 +5,6 @@ from .ffn import ExpertWeights as ExpertWeights
 from .grouped_matmul import gmm as gmm
 from .moe import MlpBlock as MlpBlock
 from .moe import MoEBlock as MoEBlock
-from .moe import shard_params as shard_params
 from .sharding import Layout as Layout
 from .sharding import make_mesh as make_mesh
 from .sharding import mesh_for_plan as mesh_for_plan

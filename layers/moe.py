@@ -22,7 +22,8 @@ from selector import Dispatch
 from . import dense, megablox, subgroup_capacity
 from .ffn import ExpertWeights, dense_ffn
 from .router import finish_stats, partial_stats, route
-from .sharding import Layout
+from .params import create_sharded, param
+from .sharding import Layout, gather
 from .spec import MoESpec
 
 
@@ -47,28 +48,52 @@ STRATEGIES: dict[Dispatch, Callable] = {
 }
 
 
+def weights_for_compute(w: ExpertWeights, layout: Layout, dtype) -> ExpertWeights:
+    """Inside shard_map: the at-rest shards as the strategies compute with them.
+
+    Expert weights are cast to the compute dtype first (half the bytes to move in
+    bfloat16), then all-gathered over the embed axes and, unless rows are exchanged,
+    the expert axes; the hidden axes stay split. The router kernel keeps its dtype
+    (the router computes in float32).
+    """
+    experts, embed = layout.gathered_experts, layout.embed
+    return ExpertWeights(
+        gate_ME=gather(w.gate_ME, embed, 0),
+        wi_0_EMH=gather(gather(w.wi_0_EMH.astype(dtype), embed, 1), experts, 0),
+        wi_1_EMH=gather(gather(w.wi_1_EMH.astype(dtype), embed, 1), experts, 0),
+        wo_EHM=gather(gather(w.wo_EHM.astype(dtype), embed, 2), experts, 0),
+    )
+
+
+def weight_specs(layout: Layout) -> ExpertWeights:
+    """The at-rest PartitionSpec of each weight, as the shard_map's in_specs."""
+    return ExpertWeights(layout.gate_ME, layout.w_EMH, layout.w_EMH, layout.w_EHM)
+
+
 def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
     """Run one strategy per device; statistics are summed over every token axis.
 
-    Weights enter replicated: XLA gathers any at-rest sharding (fsdp, expert, tensor)
-    once before the block, FSDP-style, and their gradients come back reduced.
+    Weights enter at their at-rest sharding and are gathered inside (so their gradients
+    leave reduce-scattered); the hidden axes split every expert matmul and the partial
+    outputs are summed over them once, after the combine.
     """
     layout.check_input(x_BSM.shape)
     local = STRATEGIES[strategy]
     if layout.mesh.size == 1:  # one device: nothing to shard or reduce, no shard_map needed
-        y, sums = local(x_BSM, w, spec)
+        y, sums = local(x_BSM, weights_for_compute(w, layout, spec.compute_dtype), spec)
         return y, finish_stats(sums, spec.top_k)
 
-    def body(x, weights):
-        y, sums = local(x, weights, spec)
+    def body(x, w_rest):
+        y, sums = local(x, weights_for_compute(w_rest, layout, spec.compute_dtype), spec)
+        if layout.hidden:
+            y = jax.lax.psum(y, layout.hidden)
         sums = jax.lax.psum(sums, layout.token_axes) if layout.token_axes else sums
         return y, finish_stats(sums, spec.top_k)
 
-    weight_specs = jax.tree.map(lambda _: layout.replicated, w)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(layout.x_BSM, weight_specs),
+        in_specs=(layout.x_BSM, weight_specs(layout)),
         out_specs=(layout.x_BSM, layout.replicated),
         check_vma=True,
     )
@@ -78,9 +103,8 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
 class GateLogit(nnx.Module):
     """The router's kernel (M, E), named as MaxText's `gate.kernel`."""
 
-    def __init__(self, emb: int, num_experts: int, *, rngs: nnx.Rngs):
-        init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (emb, num_experts), jnp.float32))
+    def __init__(self, kernel: nnx.Param):
+        self.kernel = kernel
 
 
 class MoEBlock(nnx.Module):
@@ -90,6 +114,9 @@ class MoEBlock(nnx.Module):
     `jax.sharding.Mesh` with auto axis types whose axes use the selector's names (a
     missing axis counts as size 1). plan: the selector's plan; built with
     `selector.resolve(cfg, mesh)` when omitted (raises ConfigError on bad settings).
+
+    Parameters are created in `param_dtype`, already sharded as they rest (see
+    `layers.params`); `dtype` is the compute dtype.
 
     __call__(x_BSM) -> (y_BSM, stats) with stats: load_balance_loss, dropped_fraction,
     dropped_tokens, tokens_per_expert (E,), all over the global batch.
@@ -102,12 +129,27 @@ class MoEBlock(nnx.Module):
         self.plan = plan if plan is not None else selector.resolve(config, mesh)
         self.layout = Layout.from_plan(self.plan, mesh)
         self.spec = MoESpec.from_config(config, self.plan)
-        emb, hidden, experts = config.base_emb_dim, config.base_moe_mlp_dim, config.num_experts
-        init = nnx.initializers.lecun_normal()
-        self.gate = GateLogit(emb, experts, rngs=rngs)
-        self.wi_0 = nnx.Param(init(rngs.params(), (experts, emb, hidden), jnp.float32))
-        self.wi_1 = nnx.Param(init(rngs.params(), (experts, emb, hidden), jnp.float32))
-        self.wo = nnx.Param(init(rngs.params(), (experts, hidden, emb), jnp.float32))
+        self.param_dtype = jnp.dtype(config.param_dtype)
+        shapes, shardings = self.param_layout()
+        keys = [rngs.params() for _ in shapes]
+        values = create_sharded(keys, shapes, self.param_dtype, shardings)
+        gate, wi_0, wi_1, wo = (param(v, s) for v, s in zip(values, shardings, strict=True))
+        self.gate = GateLogit(gate)
+        self.wi_0, self.wi_1, self.wo = wi_0, wi_1, wo
+
+    PARAM_NAMES = ("gate.kernel", "wi_0", "wi_1", "wo")
+
+    def param_layout(self) -> tuple[tuple[tuple[int, ...], ...], list]:
+        """(shapes, at-rest NamedShardings) of the parameters, in PARAM_NAMES order."""
+        emb, hidden, experts = self.spec.emb, self.spec.hidden, self.spec.num_experts
+        shapes = (
+            (emb, experts),
+            (experts, emb, hidden),
+            (experts, emb, hidden),
+            (experts, hidden, emb),
+        )
+        specs = self.layout.param_specs()
+        return shapes, [self.layout.named(specs[n]) for n in self.PARAM_NAMES]
 
     def weights(self) -> ExpertWeights:
         return ExpertWeights(self.gate.kernel[...], self.wi_0[...], self.wi_1[...], self.wo[...])
@@ -135,13 +177,3 @@ class MlpBlock(nnx.Module):
             self.wo[...].astype(dt),
         )
         return y.astype(x_BSM.dtype)
-
-
-def shard_params(model: MoEBlock) -> None:
-    """Place the block's parameters at rest by the layout's weight specs."""
-    layout = model.layout
-    for name, spec in layout.param_specs().items():
-        owner = model.gate if name == "gate.kernel" else model
-        attr = name.split(".")[-1]
-        var = getattr(owner, attr)
-        var[...] = jax.device_put(var[...], layout.named(spec))

@@ -40,36 +40,45 @@ def _entry(axes: tuple[str, ...]):
 
 @dataclass(frozen=True)
 class Layout:
-    """Axis roles restricted to the axes the mesh has (a missing axis counts as size 1)."""
+    """The plan's axis roles and weight placement on a live mesh: every PartitionSpec
+    the layers use, and the collectives that move weights into the block.
+
+    Only axes of size > 1 on this mesh appear (a size-1 axis splits nothing).
+    """
 
     mesh: Mesh
     batch: tuple[str, ...]
     sequence: tuple[str, ...]
-    experts: tuple[str, ...]
-    hidden: tuple[str, ...]
-    embed: tuple[str, ...]
+    experts: tuple[str, ...]  # expert dim at rest
+    embed: tuple[str, ...]  # embedding dim at rest (gathered in the block)
+    hidden: tuple[str, ...]  # hidden dim at rest and in the matmuls (summed over after)
+    group: tuple[str, ...]  # expert group exchanging rows by all-to-all; () when gathered
 
     @classmethod
     def from_plan(cls, plan, mesh: Mesh) -> Layout:
-        present = set(mesh.axis_names)
-
         def keep(axes):
-            return tuple(a for a in axes if a in present)
+            return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
-        view = plan.mesh
+        view, placed = plan.mesh, plan.placement
         return cls(
             mesh,
             keep(view.batch_axes),
             keep(view.sequence_axes),
-            keep(view.expert_axes),
-            keep(view.hidden_axes),
-            keep(view.embed_axes),
+            keep(placed.experts_axes),
+            keep(placed.embed_axes),
+            keep(placed.hidden_axes),
+            keep(placed.group_axes),
         )
 
     @property
     def token_axes(self) -> tuple[str, ...]:
         """Axes that split the tokens: statistics are summed over exactly these."""
         return self.batch + self.sequence
+
+    @property
+    def gathered_experts(self) -> tuple[str, ...]:
+        """Expert-dim axes the block all-gathers (none when the rows are exchanged)."""
+        return tuple(a for a in self.experts if a not in self.group)
 
     def size(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes], dtype=np.int64))
@@ -119,3 +128,10 @@ class Layout:
             raise ValueError(
                 f"sequence {seq} is not divisible by cp={s} ({', '.join(self.sequence)})"
             )
+
+
+def gather(x, axes: tuple[str, ...], dim: int):
+    """Inside shard_map: all-gather the `dim` of a shard over `axes` (in the order the
+    PartitionSpec names them). Its transpose is a reduce-scatter, so a gradient comes
+    back split exactly as the weight rests."""
+    return jax.lax.all_gather(x, axes, axis=dim, tiled=True) if axes else x

@@ -60,9 +60,13 @@ class AxisRules:
     """Which mesh axes shard which dimension of the MoE block (the axis-roles table).
 
     Activations are sharded (batch, sequence, None). Expert weights rest sharded
-    (experts, embed, hidden) and the router kernel (embed, None); the block gathers what
-    it needs. The defaults follow MaxText's logical axis rules, except that every
-    context axis counts for the sequence (the reported bug).
+    (experts, embed, hidden) and the router kernel (embed, None). Inside the block the
+    hidden axes keep splitting the expert matmuls (each shard computes a slice of every
+    expert, the output is summed over them once); the experts and embed axes are
+    gathered (or, for experts, exchanged by all-to-all when the plan says so). The
+    defaults follow MaxText's logical axis rules (`activation_batch_moe`,
+    `activation_length_moe`, `exp`, `mlp_moe`, `embed_moe`), except that every context
+    axis counts for the sequence (the reported bug).
     """
 
     batch: list[str] = field(default_factory=lambda: ["data", "fsdp", "expert"])
@@ -71,7 +75,16 @@ class AxisRules:
     )
     experts: list[str] = field(default_factory=lambda: ["expert"])
     hidden: list[str] = field(default_factory=lambda: ["tensor"])
-    embed: list[str] = field(default_factory=lambda: ["fsdp"])  # weights at rest only
+    # Weights at rest only: FSDP-style over fsdp and every sequence axis, so context
+    # parallelism shrinks the weights a device holds as well as its tokens.
+    embed: list[str] = field(
+        default_factory=lambda: [
+            "fsdp",
+            "context",
+            "context_usp_ulysses",
+            "context_autoregressive",
+        ]
+    )
 
 
 @dataclass
@@ -86,7 +99,8 @@ class Config:
     num_experts_per_tok: int = 2
     capacity_factor: float = -1.0  # <= 0: dropless
     norm_topk_prob: bool = True
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # compute dtype (MaxText's dtype)
+    param_dtype: str = "float32"  # dtype the weights are stored in (MaxText's weight_dtype)
 
     # Batch and sequence.
     per_device_batch_size: float = 1.0
@@ -128,4 +142,8 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+# Compute dtypes the layers run in, and storage dtypes they can hold weights in (a
+# float8 weight is cast to the compute dtype inside the block, as MaxText does).
+COMPUTE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PARAM_DTYPES = {**COMPUTE_DTYPES, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = PARAM_DTYPES

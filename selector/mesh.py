@@ -15,6 +15,7 @@ from .config import MESH_AXES, Config
 from .findings import Finding, error, warning
 
 MAX_DEVICES = 1 << 24  # far beyond any machine; keeps the arithmetic meaningful
+ROLES = ("batch", "sequence", "experts", "hidden", "embed")
 
 
 @dataclass(frozen=True)
@@ -206,12 +207,16 @@ def mesh_from_live(shape: Mapping[str, int]) -> tuple[dict, list[Finding]]:
     return sizes, findings
 
 
-def axis_rule_findings(cfg: Config, known_axes) -> list[Finding]:
-    """Problems in the axis-roles table itself."""
+def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
+    """Problems in the axis-roles table itself: unknown axes, an axis twice in one
+    role or in one weight, and roles the block cannot honour together (only axes of
+    size > 1 can conflict: a size-1 axis splits nothing)."""
     findings = []
+    known_axes = tuple(sizes)
     rules = cfg.axis_rules
-    for role in ("batch", "sequence", "experts", "hidden", "embed"):
-        for axis in getattr(rules, role):
+    for role in ROLES:
+        listed = getattr(rules, role)
+        for axis in listed:
             if axis not in known_axes:
                 findings.append(
                     error(
@@ -221,6 +226,16 @@ def axis_rule_findings(cfg: Config, known_axes) -> list[Finding]:
                         f"({', '.join(known_axes)}). Remove it or fix its spelling.",
                     )
                 )
+        twice = sorted({a for a in listed if listed.count(a) > 1})
+        if twice:
+            findings.append(
+                error(
+                    "AXIS_RULE_DUPLICATE",
+                    f"axis_rules.{role}",
+                    f"axis_rules.{role} lists {', '.join(twice)} more than once; a mesh axis "
+                    "can split a dimension only once. List each axis once.",
+                )
+            )
     both = sorted(set(rules.batch) & set(rules.sequence))
     if both:
         findings.append(
@@ -230,6 +245,47 @@ def axis_rule_findings(cfg: Config, known_axes) -> list[Finding]:
                 f"{', '.join(both)} shard both the batch and the sequence; an axis can "
                 "shard one token dimension. Remove it from axis_rules.batch or "
                 "axis_rules.sequence.",
+            )
+        )
+    tokens = set(rules.batch) | set(rules.sequence)
+    split_twice = sorted(a for a in set(rules.hidden) & tokens if sizes.get(a, 1) > 1)
+    if split_twice:
+        findings.append(
+            error(
+                "AXIS_RULE_CONFLICT",
+                "axis_rules.hidden",
+                f"{', '.join(split_twice)} splits the tokens and also the expert hidden dim; "
+                "the block sums the hidden slices over an axis whose devices hold the same "
+                "tokens, so it cannot also split them. Remove it from axis_rules.hidden "
+                "(the tokens stay split) or from the token roles.",
+            )
+        )
+    for weight, roles in (("expert weights", ("experts", "embed", "hidden")),):
+        seen: dict[str, str] = {}
+        for role in roles:
+            for axis in getattr(rules, role):
+                if sizes.get(axis, 1) > 1 and axis in seen and seen[axis] != role:
+                    findings.append(
+                        error(
+                            "AXIS_RULE_DUPLICATE",
+                            f"axis_rules.{role}",
+                            f"'{axis}' shards two dimensions of the {weight} (axis_rules."
+                            f"{seen[axis]} and axis_rules.{role}); a mesh axis can split one "
+                            f"dimension of an array. Remove it from one of them.",
+                        )
+                    )
+                seen.setdefault(axis, role)
+    idle = sorted((set(rules.experts) | set(rules.embed)) - tokens)
+    idle = [a for a in idle if sizes.get(a, 1) > 1]
+    if idle:
+        findings.append(
+            error(
+                "AXIS_RULE_WEIGHTS_OFF_TOKENS",
+                "axis_rules",
+                f"{', '.join(idle)} shards the expert weights at rest but not the tokens, so "
+                "the block would gather the weights over devices that hold the same tokens "
+                "and compute the same thing on each. Add it to axis_rules.batch or "
+                "axis_rules.sequence, or remove it from axis_rules.experts / axis_rules.embed.",
             )
         )
     return findings
@@ -245,7 +301,7 @@ def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):
         source = "config"
     if sizes is None:
         return None, findings
-    findings += axis_rule_findings(cfg, tuple(sizes))
+    findings += axis_rule_findings(cfg, sizes)
     rules = cfg.axis_rules
     view = MeshView(
         sizes=tuple(sizes.items()),

@@ -11,7 +11,8 @@ from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
 from .findings import Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
-from .policy import candidates_for, choose, gmm_backend, weights_in_block
+from .placement import WeightPlacement, describe, gathered
+from .policy import candidates_for, choose, gmm_backend
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,12 @@ class DispatchPlan:
     candidates: tuple[Candidate, ...]
     findings: tuple[Finding, ...]
     gmm_backend: str
-    expert_weights: str  # what the block does with weights sharded at rest
+    placement: WeightPlacement  # where expert weights rest and how they meet the tokens
+
+    @property
+    def expert_weights(self) -> str:
+        """What the block does with the expert weights, in one sentence."""
+        return describe(self.placement, self.mesh)
 
     @property
     def cp(self) -> int:
@@ -71,6 +77,7 @@ class DispatchPlan:
             "cp": self.cp,
             "gmm_backend": self.gmm_backend,
             "expert_weights": self.expert_weights,
+            "placement": self.placement.as_dict(),
             "mesh": self.mesh.as_dict(),
             "per_device": self.per_device.as_dict(),
             "candidates": [
@@ -123,6 +130,6 @@ def analyse(
         ),
         findings=tuple(findings),
         gmm_backend=gmm_backend(cfg),
-        expert_weights=weights_in_block(mesh),
+        placement=gathered(mesh, cfg.num_experts),
     )
     return plan, findings

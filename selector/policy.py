@@ -94,23 +94,3 @@ def gmm_backend(cfg: Config) -> str:
         "tpu": "pallas_megablox",  # jax.experimental.pallas.ops.tpu.megablox
         "gpu": "ragged_dot",  # XLA's native grouped matmul on GPU
     }.get(cfg.hardware.platform, "tiled_gmm")  # ours: pure JAX, custom VJP
-
-
-def weights_in_block(mesh) -> str:
-    """What the block does with expert weights that rest sharded (stated in the plan)."""
-    at_rest = [
-        f"{role} over {'x'.join(axes)}={mesh.product(axes)}"
-        for role, axes in (
-            ("experts", mesh.expert_axes),
-            ("embed", mesh.embed_axes),
-            ("hidden", mesh.hidden_axes),
-        )
-        if mesh.product(axes) > 1
-    ]
-    if not at_rest:
-        return "replicated: every device holds all expert weights"
-    return (
-        f"rest sharded ({', '.join(at_rest)}); the block all-gathers them once per step "
-        "(FSDP-style) and every device runs all experts on its own tokens; their "
-        "gradients are reduced back"
-    )

@@ -1,13 +1,23 @@
-"""Read collectives out of compiled HLO text."""
+"""Read collectives out of compiled HLO text, and tell weight traffic from activations."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
-COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
-_OP = re.compile(r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(-start)?\(")
-_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+    "reduce-scatter",
+    "ragged-all-to-all",
+)
+_OP = re.compile(
+    r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(-start)?\((?P<args>[^)]*)"
+)
+_SHAPE = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 
 
 def collectives(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -17,25 +27,63 @@ def collectives(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]]]]:
         m = _OP.search(line)
         if m:
             shapes = [
-                tuple(int(d) for d in dims.split(",") if d)
-                for dims in _SHAPE.findall(m.group("shapes"))
+                tuple(int(d) for d in s.group("dims").split(",") if d)
+                for s in _SHAPE.finditer(m.group("shapes"))
             ]
             found.append((m.group("op"), shapes))
     return found
 
 
-def activation_sized(
-    hlo_text: str, local_elems: int, global_tokens: int, param_shapes: set[tuple[int, ...]]
-) -> list[str]:
-    """Collectives moving activation-sized data, other than parameter-gradient reductions.
+def weight_stage_shapes(
+    full: tuple[int, ...], shards_by_stage: Iterable[tuple[int, ...]]
+) -> set[tuple[int, ...]]:
+    """The shapes a weight takes on its way into the block: `full` divided elementwise
+    by each stage's per-dimension shard counts (at rest, part gathered, in compute)."""
+    return {tuple(d // s for d, s in zip(full, stage, strict=True)) for stage in shards_by_stage}
 
-    Activation-sized: at least `local_elems` elements (local tokens x emb), or a dimension
-    spanning the global token count.
-    """
-    bad = []
+
+def classify(
+    hlo_text: str,
+    weight_shapes: set[tuple[int, ...]],
+    local_elems: int,
+    global_tokens: int,
+) -> dict[str, list[str]]:
+    """Sort every collective into `weights` (its shape is one a weight takes: a gather
+    into the block, a gradient reduce-scatter or all-reduce), `activations` (big: at
+    least `local_elems` elements, or a dimension spanning the global token count) and
+    `small` (statistics, counts, scalars)."""
+    out: dict[str, list[str]] = {"weights": [], "activations": [], "small": []}
     for op, shapes in collectives(hlo_text):
         for shape in shapes:
-            big = math.prod(shape) >= local_elems or global_tokens in shape
-            if big and not (op == "all-reduce" and shape in param_shapes):
-                bad.append(f"{op} {list(shape)}")
-    return bad
+            label = f"{op} {list(shape)}"
+            if shape in weight_shapes:
+                out["weights"].append(label)
+            elif math.prod(shape) >= local_elems or global_tokens in shape:
+                out["activations"].append(label)
+            else:
+                out["small"].append(label)
+    return out
+
+
+_DEF = re.compile(r"^\s*(ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+
+
+def dot_flops(hlo_text: str, scope: str) -> float:
+    """2 x output elements x contracted size, summed over the `dot` instructions whose
+    op_name carries the named scope `scope` (e.g. "expert_compute")."""
+    shapes = {}
+    for line in hlo_text.splitlines():
+        m = _DEF.match(line)
+        if m:
+            shapes[m.group("name")] = tuple(int(d) for d in m.group("dims").split(",") if d)
+    total = 0.0
+    for line in hlo_text.splitlines():
+        dot, out, contract = _DOT.search(line), _DEF.match(line), _CONTRACT.search(line)
+        if not (dot and out and contract) or f"/{scope}/" not in line:
+            continue
+        lhs = shapes[dot.group("lhs")]
+        contracted = math.prod(lhs[int(d)] for d in contract.group("dims").split(",") if d)
+        total += 2 * math.prod(shapes[out.group("name")]) * contracted
+    return total

@@ -75,3 +75,17 @@ def assert_close(actual, expected, rel=1e-5, what=""):
     scale = max(np.max(np.abs(e)), 1e-30)
     err = np.max(np.abs(a - e)) / scale
     assert err <= rel, f"{what}: max error {err:.3g} of scale {scale:.3g} > {rel}"
+
+
+def weight_shapes(model: layers.MoEBlock) -> set[tuple[int, ...]]:
+    """Every shape a weight (or its gradient) takes between rest and compute."""
+    from hlo import weight_stage_shapes
+
+    lay = model.layout
+    e, m, h = model.spec.num_experts, model.spec.emb, model.spec.hidden
+    ex, em, hi = lay.size(lay.experts), lay.size(lay.embed), lay.size(lay.hidden)
+    ex_compute = lay.size(lay.group)  # the group keeps its experts split; 1 when gathered
+    shapes = weight_stage_shapes((m, e), [(em, 1), (1, 1)])
+    shapes |= weight_stage_shapes((e, m, h), [(ex, em, hi), (ex, 1, hi), (ex_compute, 1, hi)])
+    shapes |= weight_stage_shapes((e, h, m), [(ex, hi, em), (ex, hi, 1), (ex_compute, hi, 1)])
+    return shapes

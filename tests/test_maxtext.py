@@ -53,7 +53,8 @@ def test_logical_axis_rules_decide_the_roles(tmp_path):
     cfg = selector.from_maxtext(tmp_path / "run.yml", ["num_devices=8"]).config
     assert cfg.axis_rules.batch == ["data"] and cfg.axis_rules.sequence == ["context"]
     found = selector.validate(cfg)
-    assert "TOKENS_REPLICATED" in codes(found)  # fsdp=8 now shards neither batch nor sequence
+    # fsdp=8 now shards neither batch nor sequence, yet the embed rule rests weights on it
+    assert "AXIS_RULE_WEIGHTS_OFF_TOKENS" in codes(found)
 
 
 @pytest.mark.parametrize(

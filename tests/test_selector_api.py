@@ -108,11 +108,15 @@ def test_auto_policy():
 
 
 def test_plan_says_what_the_block_does_with_sharded_weights():
-    assert selector.resolve(typed("ici_fsdp_parallelism=8")).expert_weights.startswith("rest")
+    fsdp = selector.resolve(typed("ici_fsdp_parallelism=8"))
+    assert fsdp.expert_weights.startswith("rest sharded (embed over fsdp=8)")
+    assert fsdp.placement.embed_axes == ("fsdp",) and "reduce-scattered" in fsdp.expert_weights
     plain = selector.resolve(typed("ici_fsdp_parallelism=1", "ici_data_parallelism=8"))
-    assert plain.expert_weights.startswith("replicated")
+    assert plain.expert_weights.startswith("rest replicated")
     tp = selector.resolve(typed("ici_tensor_parallelism=2", "per_device_batch_size=2"))
-    assert "hidden over tensor=2" in tp.expert_weights
+    assert "hidden over tensor=2" in tp.expert_weights and "stays split" in tp.expert_weights
+    cp = selector.resolve(typed("ici_context_parallelism=4", "per_device_batch_size=0.25"))
+    assert cp.placement.embed_axes == ("fsdp", "context")  # weights rest on cp devices too
 
 
 def test_plan_is_frozen_and_serialisable():

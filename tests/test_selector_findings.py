@@ -76,6 +76,7 @@ CASES = [
         (
             "ici_tensor_parallelism=2",
             "axis_rules.sequence=[context,tensor]",
+            "axis_rules.hidden=[]",
             "per_device_batch_size=0.5",
         ),
     ),
@@ -164,6 +165,18 @@ CASES = [
         ("axis_rules.batch=[data,fsdp,context]",),
         ("axis_rules.batch=[data,fsdp]",),
     ),
+    (
+        "AXIS_RULE_DUPLICATE",
+        "error",
+        ("ici_expert_parallelism=2", "axis_rules.embed=[fsdp,expert]"),
+        ("ici_expert_parallelism=2", "axis_rules.embed=[fsdp]"),
+    ),
+    (
+        "AXIS_RULE_WEIGHTS_OFF_TOKENS",
+        "error",
+        ("axis_rules.batch=[data]",),
+        ("axis_rules.batch=[data]", "axis_rules.embed=[]"),
+    ),
 ]
 
 
@@ -239,3 +252,22 @@ def test_live_mesh_findings():
     assert "NUM_DEVICES_FROM_MESH" not in codes(
         selector.validate(typed("per_device_batch_size=0.5"), {"data": 2, "context": 4})
     )
+
+
+def test_hidden_axis_cannot_also_split_the_tokens():
+    found = selector.validate(
+        typed(
+            "ici_tensor_parallelism=2",
+            "axis_rules.sequence=[context,tensor]",
+            "per_device_batch_size=0.5",
+        )
+    )
+    hits = [f for f in found if f.code == "AXIS_RULE_CONFLICT"]
+    assert hits and hits[0].setting == "axis_rules.hidden"
+    ok = typed(
+        "ici_tensor_parallelism=2",
+        "axis_rules.sequence=[context,tensor]",
+        "axis_rules.hidden=[]",
+        "per_device_batch_size=0.5",
+    )
+    assert "AXIS_RULE_CONFLICT" not in codes(selector.validate(ok))

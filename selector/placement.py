@@ -1,0 +1,132 @@
+"""Where the expert weights rest and how they meet the tokens (part of the plan).
+
+Two ways, decided by the policy and stated in the plan:
+
+- `gather`: the expert dim rests on the `experts` axes and the embedding dim on the
+  `embed` axes; the block all-gathers both once per step (FSDP-style) and every device
+  computes with every expert; gradients come back reduce-scattered.
+- `all_to_all` (expert parallelism): the expert dim rests on the expert *group* (the
+  `experts` axes, plus the sequence axes when they are folded in); a device computes
+  only with its own E / group experts and the routed rows travel to them and back.
+
+In both, the hidden dim rests on the `hidden` axes and stays split inside the block
+(each shard computes its slice of every expert it serves; the output is summed once).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .mesh import MeshView
+
+
+class Exchange(str, enum.Enum):
+    """How expert weights meet the tokens. `auto` lets the selector choose."""
+
+    auto = "auto"
+    gather = "gather"
+    all_to_all = "all_to_all"
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    exchange: Exchange  # gather or all_to_all (never auto in a plan)
+    experts_axes: tuple[str, ...]  # shard the expert dim at rest
+    embed_axes: tuple[str, ...]  # shard the embedding dim at rest
+    hidden_axes: tuple[str, ...]  # shard the hidden dim, at rest and in the matmuls
+    group_axes: tuple[str, ...]  # the expert group that exchanges rows; () when gathered
+    experts_per_device: int  # experts a device computes with
+    folded_axes: tuple[str, ...]  # sequence axes folded into the expert group
+
+    def as_dict(self) -> dict:
+        return {
+            "exchange": self.exchange.value,
+            "experts_axes": list(self.experts_axes),
+            "embed_axes": list(self.embed_axes),
+            "hidden_axes": list(self.hidden_axes),
+            "group_axes": list(self.group_axes),
+            "folded_axes": list(self.folded_axes),
+            "experts_per_device": self.experts_per_device,
+        }
+
+
+def gathered(mesh: MeshView, num_experts: int) -> WeightPlacement:
+    """Weights rest sharded by the axis roles and are gathered into the block."""
+    experts = _present(mesh, mesh.expert_axes)
+    return WeightPlacement(
+        exchange=Exchange.gather,
+        experts_axes=experts,
+        embed_axes=_present(mesh, tuple(a for a in mesh.embed_axes if a not in experts)),
+        hidden_axes=_present(mesh, mesh.hidden_axes),
+        group_axes=(),
+        experts_per_device=num_experts,
+        folded_axes=(),
+    )
+
+
+def expert_group(mesh: MeshView, fold_sequence: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(group axes, folded sequence axes): the expert axes, then the sequence axes of
+    size > 1 when folding. Every group axis shards the tokens, so no row is sent twice."""
+    token_axes = set(mesh.batch_axes) | set(mesh.sequence_axes)
+    experts = tuple(a for a in _present(mesh, mesh.expert_axes) if a in token_axes)
+    folded = _present(mesh, mesh.sequence_axes) if fold_sequence else ()
+    return experts + tuple(a for a in folded if a not in experts), folded
+
+
+def exchanged(mesh: MeshView, num_experts: int, fold_sequence: bool) -> WeightPlacement:
+    """Weights rest on the expert group (E / group experts each) and rows are exchanged."""
+    group, folded = expert_group(mesh, fold_sequence)
+    size = mesh.product(group)
+    return WeightPlacement(
+        exchange=Exchange.all_to_all,
+        experts_axes=group,
+        embed_axes=_present(mesh, tuple(a for a in mesh.embed_axes if a not in group)),
+        hidden_axes=_present(mesh, mesh.hidden_axes),
+        group_axes=group,
+        experts_per_device=num_experts // size if size and num_experts % size == 0 else 0,
+        folded_axes=folded,
+    )
+
+
+def _present(mesh: MeshView, axes) -> tuple[str, ...]:
+    """The axes of size > 1 (a size-1 axis shards nothing), in the order given."""
+    return tuple(a for a in axes if mesh.size(a) > 1)
+
+
+def describe(p: WeightPlacement, mesh: MeshView) -> str:
+    """One sentence for the report: where the weights rest and how the block uses them."""
+
+    def over(axes):
+        return "x".join(f"{a}={mesh.size(a)}" for a in axes)
+
+    rest = [
+        f"{role} over {over(axes)}"
+        for role, axes in (
+            ("experts", p.experts_axes),
+            ("embed", p.embed_axes),
+            ("hidden", p.hidden_axes),
+        )
+        if axes
+    ]
+    where = f"rest sharded ({', '.join(rest)})" if rest else "rest replicated"
+    hidden = (
+        f"; the hidden dim stays split over {over(p.hidden_axes)} inside the block (each "
+        "shard computes its slice of every expert, the output is summed once)"
+        if p.hidden_axes
+        else ""
+    )
+    if p.exchange is Exchange.all_to_all:
+        return (
+            f"{where}; expert parallel over {over(p.group_axes)}: each device computes with "
+            f"its {p.experts_per_device} experts and routed rows travel to them by "
+            f"all-to-all and back{hidden}"
+        )
+    gathered_axes = p.experts_axes + p.embed_axes
+    if not gathered_axes:
+        return f"{where}; every device computes with all experts{hidden}"
+    return (
+        f"{where}; the block all-gathers {over(gathered_axes)} once per step (FSDP-style), "
+        f"every device computes with all experts, and gradients come back reduce-scattered"
+        f"{hidden}"
+    )
