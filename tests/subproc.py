@@ -12,19 +12,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_probe(module: str, devices: int, *args: str, timeout: int = 600) -> dict:
-    """`python tests/probes/<module>.py args` with `devices` CPU devices; its JSON."""
-    env = {
+def probe_env(devices: int) -> dict:
+    """Environment for a fresh process with `devices` simulated CPU devices."""
+    return {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
+
+
+def probe_command(module: str, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "tests" / "probes" / f"{module}.py"), *args]
+
+
+def run_probe(module: str, devices: int, *args: str, timeout: int = 600) -> dict:
+    """`python tests/probes/<module>.py args` with `devices` CPU devices; its JSON."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "probes" / f"{module}.py"), *args],
+        probe_command(module, *args),
         capture_output=True,
         text=True,
-        env=env,
+        env=probe_env(devices),
         cwd=ROOT,
         timeout=timeout,
     )
