@@ -41,7 +41,7 @@ def _varying_like(value, *refs):
     Inside shard_map (check_vma=True) a carry built from jnp.zeros is invariant, while
     the loop body's output varies with the inputs; the loop needs both to agree.
     """
-    axes = set().union(*(_varying_axes(r) for r in refs))
+    axes = set().union(*(_varying_axes(r) for r in refs)) - _varying_axes(value)
     return lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .expert_parallel import exchange_swiglu, rounds_needed
 from .ffn import ExpertWeights, swiglu
 from .grouped_matmul import gmm, gmm_multi
-from .router import partial_stats, route
+from .router import GLOBAL_PREFIX, partial_stats, route
 from .spec import MoESpec
 
 
@@ -29,13 +30,21 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         dt = spec.compute_dtype
         x_RM = jnp.take(x_TM.astype(dt), order_R // spec.top_k, axis=0)
     with jax.named_scope("expert_compute"):
-        gate_RH, up_RH = gmm_multi(
-            x_RM, (w.wi_0_EMH.astype(dt), w.wi_1_EMH.astype(dt)), group_sizes_E, spec.gmm_backend
-        )
-        h_RH = swiglu(gate_RH, up_RH)
-        y_RM = gmm(h_RH, w.wo_EHM.astype(dt), group_sizes_E, spec.gmm_backend)
+        experts = (w.wi_0_EMH.astype(dt), w.wi_1_EMH.astype(dt), w.wo_EHM.astype(dt))
+        if spec.exchange is not None:  # rows travel to their experts' owners and back
+            ex = spec.exchange
+            sorted_ids_R = jnp.take(ids_R, order_R)
+            buffer = ex.buffer_rows(x_RM.shape[0])
+            y_RM = exchange_swiglu(x_RM, sorted_ids_R, group_sizes_E, experts, ex, buffer)
+            rounds = rounds_needed(group_sizes_E, ex, experts[0].shape[0], buffer)
+        else:
+            gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, spec.gmm_backend)
+            y_RM = gmm(swiglu(gate_RH, up_RH), experts[2], group_sizes_E, spec.gmm_backend)
     with jax.named_scope("unpermute_combine"):
         inverse_R = jnp.argsort(order_R)
         y_TKM = jnp.take(y_RM, inverse_R, axis=0).reshape(batch * seq, spec.top_k, emb)
         y_TM = jnp.einsum("tkm,tk->tm", y_TKM, weights_TK.astype(dt))
-    return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)
+    sums = partial_stats(probs_TE, ids_TK, 0)
+    if spec.exchange is not None:
+        sums[GLOBAL_PREFIX + "exchange_rounds"] = rounds.astype(jnp.float32)
+    return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), sums

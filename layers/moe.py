@@ -21,7 +21,7 @@ from selector import Dispatch
 
 from . import dense, megablox, subgroup_capacity
 from .ffn import ExpertWeights, dense_ffn
-from .router import finish_stats, partial_stats, route
+from .router import finish_stats, partial_stats, route, split_global
 from .params import create_sharded, param
 from .sharding import Layout, gather
 from .spec import MoESpec
@@ -81,14 +81,16 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     local = STRATEGIES[strategy]
     if layout.mesh.size == 1:  # one device: nothing to shard or reduce, no shard_map needed
         y, sums = local(x_BSM, weights_for_compute(w, layout, spec.compute_dtype), spec)
-        return y, finish_stats(sums, spec.top_k)
+        sums, done = split_global(sums)
+        return y, {**finish_stats(sums, spec.top_k), **done}
 
     def body(x, w_rest):
         y, sums = local(x, weights_for_compute(w_rest, layout, spec.compute_dtype), spec)
         if layout.hidden:
             y = jax.lax.psum(y, layout.hidden)
+        sums, done = split_global(sums)
         sums = jax.lax.psum(sums, layout.token_axes) if layout.token_axes else sums
-        return y, finish_stats(sums, spec.top_k)
+        return y, {**finish_stats(sums, spec.top_k), **done}
 
     fn = jax.shard_map(
         body,
@@ -128,7 +130,7 @@ class MoEBlock(nnx.Module):
         config = selector.to_config(cfg)
         self.plan = plan if plan is not None else selector.resolve(config, mesh)
         self.layout = Layout.from_plan(self.plan, mesh)
-        self.spec = MoESpec.from_config(config, self.plan)
+        self.spec = MoESpec.from_config(config, self.plan, self.layout)
         self.param_dtype = jnp.dtype(config.param_dtype)
         shapes, shardings = self.param_layout()
         keys = [rngs.params() for _ in shapes]

@@ -19,6 +19,17 @@ def route(x_TM, gate_ME, top_k: int, norm_topk_prob: bool):
     return weights_TK, ids_TK.astype(jnp.int32), probs_TE
 
 
+# Keys of partial stats that are already global (agreed over the token axes) and must
+# not be summed again: they pass through to the statistics without the prefix.
+GLOBAL_PREFIX = "global:"
+
+
+def split_global(sums: dict) -> tuple[dict, dict]:
+    """(sums to add over the token axes, statistics that are already global)."""
+    done = {k[len(GLOBAL_PREFIX) :]: v for k, v in sums.items() if k.startswith(GLOBAL_PREFIX)}
+    return {k: v for k, v in sums.items() if not k.startswith(GLOBAL_PREFIX)}, done
+
+
 def partial_stats(probs_TE, ids_TK, dropped) -> dict:
     """Local sums that `finish_stats` turns into global statistics after a psum."""
     num_experts = probs_TE.shape[-1]

@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 from selector.derive import capacity
 
+from .expert_parallel import Exchange
+from .sharding import Layout
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -19,9 +22,21 @@ class MoESpec:
     capacity_factor: float  # <= 0: dropless
     dtype: str  # compute dtype name
     gmm_backend: str
+    exchange: Exchange | None = None  # expert parallelism; None when weights are gathered
 
     @classmethod
-    def from_config(cls, cfg, plan) -> MoESpec:
+    def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
+        exchange = None
+        if layout.group:
+            exchange = Exchange(
+                group_axes=layout.group,
+                group_size=layout.size(layout.group),
+                count_axes=layout.token_axes,
+                buffer_factor=cfg.expert_buffer_factor,
+                backend=plan.exchange_backend,
+                gmm_backend=plan.gmm_backend,
+                dtype=jnp.dtype(cfg.dtype),
+            )
         return cls(
             cfg.num_experts,
             cfg.num_experts_per_tok,
@@ -31,6 +46,7 @@ class MoESpec:
             cfg.capacity_factor,
             cfg.dtype,
             plan.gmm_backend,
+            exchange,
         )
 
     @property

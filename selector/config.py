@@ -39,6 +39,23 @@ class Mode(str, enum.Enum):
     decode = "decode"
 
 
+class Exchange(str, enum.Enum):
+    """How expert weights meet the tokens. `auto` lets the selector choose."""
+
+    auto = "auto"
+    gather = "gather"
+    all_to_all = "all_to_all"
+
+
+class ExpertGroup(str, enum.Enum):
+    """Which axes form the expert group when rows are exchanged. `auto` folds the
+    sequence axes in when that divides num_experts."""
+
+    auto = "auto"
+    expert = "expert"  # the expert axes alone
+    expert_and_sequence = "expert_and_sequence"  # plus every sequence axis (cp folded)
+
+
 class OutputFormat(str, enum.Enum):
     text = "text"
     json = "json"
@@ -128,6 +145,13 @@ class Config:
     # Our own knobs.
     mode: Mode = Mode.train
     dispatch: Dispatch = Dispatch.auto
+    # How expert weights meet the tokens: gathered into every device (FSDP-style) or
+    # kept on their owners with the routed rows exchanged by all-to-all (megablox only).
+    expert_exchange: Exchange = Exchange.auto
+    expert_group: ExpertGroup = ExpertGroup.auto
+    # Rows a device may send each expert owner per exchange round, as a multiple of the
+    # even share; more rows take more rounds, never a drop.
+    expert_buffer_factor: float = 1.25
     allow_local_batch_inflation: bool = False
     gmm_tile_rows: int = 128  # grouped-matmul row tile, used for padding estimates
     output: OutputFormat = OutputFormat.text

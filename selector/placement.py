@@ -15,18 +15,10 @@ In both, the hidden dim rests on the `hidden` axes and stays split inside the bl
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from .config import Exchange
 from .mesh import MeshView
-
-
-class Exchange(str, enum.Enum):
-    """How expert weights meet the tokens. `auto` lets the selector choose."""
-
-    auto = "auto"
-    gather = "gather"
-    all_to_all = "all_to_all"
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
 from .findings import Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
-from .placement import WeightPlacement, describe, gathered
-from .policy import candidates_for, choose, gmm_backend
+from .config import Exchange
+from .placement import WeightPlacement, describe
+from .policy import candidates_for, choose, exchange_backend, exchange_candidates, gmm_backend
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class DispatchPlan:
     findings: tuple[Finding, ...]
     gmm_backend: str
     placement: WeightPlacement  # where expert weights rest and how they meet the tokens
+    exchange_backend: str  # the collective moving routed rows when they are exchanged
 
     @property
     def expert_weights(self) -> str:
@@ -76,6 +78,7 @@ class DispatchPlan:
             "requested": self.requested.value,
             "cp": self.cp,
             "gmm_backend": self.gmm_backend,
+            "exchange_backend": self.exchange_backend,
             "expert_weights": self.expert_weights,
             "placement": self.placement.as_dict(),
             "mesh": self.mesh.as_dict(),
@@ -118,6 +121,11 @@ def analyse(
     findings += rules.capacity_settings(cfg, dev, strategy)
     findings += rules.capacity_too_small(cfg, dev, strategy)
     findings += rules.memory_fits(cfg, dev, strategy, estimates[strategy])
+    options = exchange_candidates(cfg, mesh, strategy)
+    placement = options[Exchange.gather]
+    if cfg.expert_exchange is Exchange.all_to_all:
+        placement = options.get(Exchange.all_to_all, placement)
+    findings += rules.exchange_settings(cfg, mesh, strategy, options)
 
     plan = DispatchPlan(
         strategy=strategy,
@@ -130,6 +138,7 @@ def analyse(
         ),
         findings=tuple(findings),
         gmm_backend=gmm_backend(cfg),
-        placement=gathered(mesh, cfg.num_experts),
+        placement=placement,
+        exchange_backend=exchange_backend(cfg),
     )
     return plan, findings

@@ -15,8 +15,10 @@ An explicit `dispatch=` is always honoured (and validated).
 
 from __future__ import annotations
 
-from .config import Config, Dispatch
+from .config import Config, Dispatch, Exchange, ExpertGroup
 from .cost import Estimate
+from .mesh import MeshView
+from .placement import WeightPlacement, exchanged, expert_group, gathered
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
 
@@ -94,3 +96,31 @@ def gmm_backend(cfg: Config) -> str:
         "tpu": "pallas_megablox",  # jax.experimental.pallas.ops.tpu.megablox
         "gpu": "ragged_dot",  # XLA's native grouped matmul on GPU
     }.get(cfg.hardware.platform, "tiled_gmm")  # ours: pure JAX, custom VJP
+
+
+def exchange_backend(cfg: Config) -> str:
+    """Collective that moves routed rows to their experts' owners, by platform."""
+    return "all_to_all" if cfg.hardware.platform == "cpu" else "ragged_all_to_all"
+
+
+def fold_sequence(cfg: Config, mesh: MeshView) -> bool:
+    """Whether the sequence axes join the expert group (auto: when E divides evenly)."""
+    if cfg.expert_group is ExpertGroup.expert:
+        return False
+    if cfg.expert_group is ExpertGroup.expert_and_sequence:
+        return True
+    group, _ = expert_group(mesh, fold_sequence=True)
+    return cfg.num_experts % mesh.product(group) == 0
+
+
+def exchange_candidates(
+    cfg: Config, mesh: MeshView, strategy: Dispatch
+) -> dict[Exchange, WeightPlacement]:
+    """The placements the block can run for `strategy`: always gathered; exchanged for
+    megablox when some token axis can form an expert group."""
+    options = {Exchange.gather: gathered(mesh, cfg.num_experts)}
+    if strategy is Dispatch.megablox:
+        ep = exchanged(mesh, cfg.num_experts, fold_sequence(cfg, mesh))
+        if ep.group_axes:
+            options[Exchange.all_to_all] = ep
+    return options

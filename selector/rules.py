@@ -400,3 +400,46 @@ def memory_fits(cfg: Config, dev: PerDevice, strategy: Dispatch, est: Estimate) 
             "shards, lower per_device_batch_size, or pick a lighter dispatch.",
         )
     ]
+
+
+def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) -> list[Finding]:
+    """An explicit expert_exchange=all_to_all the block cannot honour, and expert groups
+    that do not split num_experts evenly."""
+    from .config import Exchange  # noqa: PLC0415 - keeps this module's imports light
+
+    if cfg.expert_exchange is not Exchange.all_to_all:
+        return []
+    placed = options.get(Exchange.all_to_all)
+    if strategy is not Dispatch.megablox:
+        return [
+            error(
+                "EXCHANGE_NEEDS_MEGABLOX",
+                "expert_exchange",
+                f"expert_exchange=all_to_all sends routed rows to their experts' owners, which "
+                f"only the megablox dispatch does; dispatch={strategy.value} computes every "
+                "expert on every device. Use dispatch=megablox, or expert_exchange=gather.",
+            )
+        ]
+    if placed is None:
+        return [
+            error(
+                "EXPERT_GROUP_EMPTY",
+                "expert_exchange",
+                "expert_exchange=all_to_all needs an expert group: an expert axis or a "
+                "sequence axis of size > 1 that splits the tokens (the mesh has none). Set "
+                "ici_expert_parallelism or a context axis > 1, or expert_exchange=gather.",
+            )
+        ]
+    group = mesh.product(placed.group_axes)
+    if cfg.num_experts % group:
+        shown = " x ".join(f"{a}={mesh.size(a)}" for a in placed.group_axes)
+        return [
+            error(
+                "EXPERTS_NOT_DIVISIBLE_BY_GROUP",
+                "expert_group",
+                f"num_experts={cfg.num_experts} does not split over the expert group ({shown} "
+                f"= {group} devices). Use expert_group=expert (leave the sequence axes out), "
+                f"a group size that divides {cfg.num_experts}, or expert_exchange=gather.",
+            )
+        ]
+    return []

@@ -48,20 +48,24 @@ def classify(
     local_elems: int,
     global_tokens: int,
 ) -> dict[str, list[str]]:
-    """Sort every collective into `weights` (its shape is one a weight takes: a gather
-    into the block, a gradient reduce-scatter or all-reduce), `activations` (big: at
-    least `local_elems` elements, or a dimension spanning the global token count) and
-    `small` (statistics, counts, scalars)."""
+    """Sort every collective into `weights` (each of its shapes is one a weight takes: a
+    gather into the block, a gradient reduce-scatter or all-reduce), `activations` (big:
+    at least `local_elems` elements over all its results, since XLA may split one
+    collective into a tuple of pieces, or a dimension spanning the global token count)
+    and `small` (statistics, counts, scalars)."""
     out: dict[str, list[str]] = {"weights": [], "activations": [], "small": []}
     for op, shapes in collectives(hlo_text):
-        for shape in shapes:
-            label = f"{op} {list(shape)}"
-            if shape in weight_shapes:
-                out["weights"].append(label)
-            elif math.prod(shape) >= local_elems or global_tokens in shape:
-                out["activations"].append(label)
-            else:
-                out["small"].append(label)
+        if not shapes:
+            continue
+        label = f"{op} {' '.join(str(list(s)) for s in shapes)}"
+        if all(shape in weight_shapes for shape in shapes):
+            out["weights"].append(label)
+        elif sum(math.prod(s) for s in shapes) >= local_elems or any(
+            global_tokens in s for s in shapes
+        ):
+            out["activations"].append(label)
+        else:
+            out["small"].append(label)
     return out
 
 

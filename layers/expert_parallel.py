@@ -1,0 +1,250 @@
+"""Expert parallelism: routed rows travel to the device that owns their expert and back.
+
+The expert dim of the weights rests split over the expert group (G devices, E_l = E / G
+experts each; expert e lives on group member e // E_l). Inside the block's shard_map a
+device has routed its own tokens and sorted their rows by expert, so the rows for each
+owner are one contiguous run. The exchange is dropless with static, bounded buffers:
+
+- each round, a device sends at most B rows to every owner (one `all_to_all` of a
+  (G, B, M) buffer over the group), the owner runs the grouped matmul on what it
+  received with its own experts, and the results come back by a second `all_to_all`;
+- the number of rounds is ceil(max rows any device sends any owner / B), agreed by
+  one scalar `pmax`; under balanced routing B (buffer_factor x the even share, rounded
+  to 8 rows) holds everything in one round, and skewed routing (every token to one
+  expert) takes more rounds instead of dropping rows or sizing buffers for the worst
+  case (G x the local rows, which would give back everything cp saved).
+
+The rounds are a while loop, which reverse-mode autodiff cannot cross, so the exchange
+has a custom VJP: the backward pass runs the same rounds, sending each row's input and
+output cotangent to its owner, which recomputes its part of the forward, returns the
+input cotangent and accumulates its weight gradient locally. Expert weights and their
+gradients never leave their owner.
+
+Backends: `all_to_all` (runs everywhere, XLA:CPU included) packs each owner's rows
+into its slot of the (G, B, M) buffer; `ragged_all_to_all` (GPU/TPU; XLA:CPU cannot run
+it) sends each owner exactly its rows straight from the sorted array into the same slot
+layout, skipping the padding bytes.
+
+Legend: R routed rows on this device, G group size, B rows per owner per round,
+E global experts, L local experts (E / G), M embedding, H hidden (per hidden shard).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .ffn import swiglu
+from .grouped_matmul import _reduce_like, _varying_like, gmm, gmm_multi
+
+ROW_ALIGN = 8  # rows per owner per round are a multiple of this
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """The static description of one expert-parallel exchange."""
+
+    group_axes: tuple[str, ...]  # mesh axes of the expert group (major first)
+    group_size: int
+    count_axes: tuple[str, ...]  # token axes: every device agrees on the round count
+    buffer_factor: float  # B = buffer_factor x even share of rows per owner
+    backend: str  # "all_to_all" or "ragged_all_to_all"
+    gmm_backend: str
+    dtype: object  # compute dtype
+
+    def buffer_rows(self, rows: int) -> int:
+        """B: rows each device may send each owner per round."""
+        share = self.buffer_factor * rows / self.group_size
+        return max(ROW_ALIGN, ROW_ALIGN * math.ceil(share / ROW_ALIGN))
+
+
+def _local_swiglu(x_NM, ids_N, w, local_experts: int, gmm_backend: str):
+    """Rows x_NM with local expert ids_N (== local_experts marks an empty slot) through
+    their experts' SwiGLU: sort by expert, grouped matmul, unsort. Empty slots give 0."""
+    wi_0, wi_1, wo = w
+    order = jnp.argsort(ids_N, stable=True)
+    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_N].add(1)[:local_experts]
+    xs = jnp.take(x_NM, order, axis=0)
+    gate, up = gmm_multi(xs, (wi_0, wi_1), sizes_L, gmm_backend)
+    ys = gmm(swiglu(gate, up), wo, sizes_L, gmm_backend)
+    return jnp.take(ys, jnp.argsort(order), axis=0)
+
+
+def _routing(group_sizes_E, ex: Exchange, local_experts: int):
+    """Per owner: the first sorted row for it and how many rows go to it (int32, (G,))."""
+    per_owner = group_sizes_E.reshape(ex.group_size, local_experts).sum(axis=1)
+    starts = jnp.cumsum(per_owner) - per_owner
+    return starts.astype(jnp.int32), per_owner.astype(jnp.int32)
+
+
+def _rounds(counts_G, buffer_rows: int, ex: Exchange):
+    """Rounds every device runs: the largest send of any device, in buffers of B."""
+    most = lax.pmax(jnp.max(counts_G), ex.count_axes)
+    return (most + buffer_rows - 1) // buffer_rows
+
+
+def rounds_needed(group_sizes_E, ex: Exchange, local_experts: int, buffer_rows: int):
+    """The global number of exchange rounds for this step's routing (int32 scalar)."""
+    _, counts_G = _routing(group_sizes_E, ex, local_experts)
+    return _rounds(counts_G, buffer_rows, ex)
+
+
+def _send(rows_RX, starts_G, counts_G, r, buffer_rows: int):
+    """(G, B, X): round r's rows for each owner, zero past the owner's count, and the
+    (G, B) mask of real rows."""
+    j = jnp.arange(buffer_rows)
+    offset_GB = r * buffer_rows + j[None, :]
+    valid_GB = offset_GB < counts_G[:, None]
+    index_GB = jnp.where(valid_GB, starts_G[:, None] + offset_GB, 0)
+    packed = jnp.take(rows_RX, index_GB.reshape(-1), axis=0).reshape(*index_GB.shape, -1)
+    return jnp.where(valid_GB[..., None], packed, 0), valid_GB, index_GB
+
+
+def _receive_back(out_RX, back_GBX, valid_GB, index_GB):
+    """Write round results (G, B, X) back to their rows of the sorted array."""
+    rows = out_RX.shape[0]
+    where = jnp.where(valid_GB, index_GB, rows).reshape(-1)  # `rows` is out of bounds: dropped
+    return out_RX.at[where].set(back_GBX.reshape(-1, back_GBX.shape[-1]), mode="drop")
+
+
+def _exchange(x_GBX, ex: Exchange):
+    """Send slot g of the buffer to group member g; receive member g's slot for us."""
+    return lax.all_to_all(x_GBX, ex.group_axes, 0, 0, tiled=True)
+
+
+def _slot_sizes(counts_G, r, buffer_rows: int):
+    """Rows of round r in each owner's slot: the count left, at most B."""
+    return jnp.clip(counts_G - r * buffer_rows, 0, buffer_rows).astype(jnp.int32)
+
+
+class _Packed:
+    """all_to_all transport: each owner's rows are packed into its (B, X) slot."""
+
+    def __init__(self, starts_G, counts_G, ex: Exchange, buffer_rows: int):
+        self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
+
+    def to_owners(self, rows_RX, ids_R, r, local_experts):
+        """(rows received (G*B, X), their local expert ids (G*B,), state for the trip back)."""
+        packed, valid, index = _send(rows_RX, self.starts, self.counts, r, self.b)
+        ids, _, _ = _send(ids_R[:, None], self.starts, self.counts, r, self.b)
+        ids = jnp.where(valid, ids[..., 0] % local_experts, local_experts)
+        got, got_ids = _exchange(packed, self.ex), _exchange(ids, self.ex)
+        return got.reshape(-1, got.shape[-1]), got_ids.reshape(-1), (valid, index)
+
+    def back(self, out_RX, results_NX, r, state):
+        valid, index = state
+        back = _exchange(results_NX.reshape(self.ex.group_size, self.b, -1), self.ex)
+        return _receive_back(out_RX, back, valid, index)
+
+
+class _Ragged:
+    """ragged_all_to_all transport (GPU/TPU): each owner gets exactly its rows, written
+    into this device's slot of its (G*B, X) buffer; results return straight into the
+    sorted array. Needs the sources' counts and starts, exchanged once."""
+
+    def __init__(self, starts_G, counts_G, ex: Exchange, buffer_rows: int):
+        self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
+        # What each source sends this device, and where its rows start over there.
+        self.recv_counts = _exchange(counts_G, ex)
+        self.recv_starts = _exchange(starts_G, ex)
+        me = lax.axis_index(ex.group_axes)
+        self.my_slot = jnp.full((ex.group_size,), me * buffer_rows, jnp.int32)
+        self.slots = jnp.arange(ex.group_size, dtype=jnp.int32) * buffer_rows
+
+    def _send(self, operand, output, r, to_owners: bool):
+        if to_owners:
+            offsets, sizes = self.starts + r * self.b, _slot_sizes(self.counts, r, self.b)
+            where, recv = self.my_slot, _slot_sizes(self.recv_counts, r, self.b)
+        else:
+            offsets, sizes = self.slots, _slot_sizes(self.recv_counts, r, self.b)
+            where, recv = self.recv_starts + r * self.b, _slot_sizes(self.counts, r, self.b)
+        return lax.ragged_all_to_all(
+            operand, output, offsets, sizes, where, recv, axis_name=self.ex.group_axes
+        )
+
+    def to_owners(self, rows_RX, ids_R, r, local_experts):
+        n = self.ex.group_size * self.b
+        out = _varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
+        got = self._send(rows_RX, out, r, to_owners=True)
+        empty = _varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
+        got_ids = self._send(ids_R[:, None].astype(jnp.int32), empty, r, to_owners=True)[:, 0]
+        return got, jnp.where(got_ids < 0, local_experts, got_ids % local_experts), None
+
+    def back(self, out_RX, results_NX, r, state):
+        return self._send(results_NX.astype(out_RX.dtype), out_RX, r, to_owners=False)
+
+
+TRANSPORTS = {"all_to_all": _Packed, "ragged_all_to_all": _Ragged}
+
+
+def _transport(group_sizes_E, ex: Exchange, local_experts: int, buffer_rows: int):
+    starts_G, counts_G = _routing(group_sizes_E, ex, local_experts)
+    rounds = _rounds(counts_G, buffer_rows, ex)
+    return TRANSPORTS[ex.backend](starts_G, counts_G, ex, buffer_rows), rounds
+
+
+def _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: int):
+    local_experts = w[0].shape[0]
+    move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
+    emb = w[2].shape[2]
+    y0 = _varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
+
+    def one_round(r, y_RM):
+        x_NM, ids_N, state = move.to_owners(x_RM, ids_R, r, local_experts)
+        y_NM = _local_swiglu(x_NM, ids_N, w, local_experts, ex.gmm_backend)
+        return move.back(y_RM, y_NM, r, state)
+
+    return lax.fori_loop(0, rounds, one_round, y0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: int):
+    """SwiGLU of each routed row with its expert, on the device that owns the expert.
+
+    x_RM: this device's routed rows sorted by global expert id (ids_R, group_sizes_E the
+    rows per global expert); w = (wi_0, wi_1, wo) of this device's L experts.
+    Returns y_RM in the same row order.
+    """
+    return _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows)
+
+
+def _fwd(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows):
+    y = _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows)
+    return y, (x_RM, ids_R, group_sizes_E, w)
+
+
+def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
+    x_RM, ids_R, group_sizes_E, w = res
+    local_experts = w[0].shape[0]
+    move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
+    emb = x_RM.shape[1]
+    dx0 = _varying_like(jnp.zeros_like(x_RM), x_RM, dy_RM, *w)
+    # jax.vjp hands back each round's weight cotangent already summed over the axes the
+    # weights are replicated on, so the accumulator varies exactly as the weights do.
+    dw0 = tuple(_varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w)
+    both_RX = jnp.concatenate([x_RM, dy_RM.astype(x_RM.dtype)], axis=1)
+
+    def one_round(r, carry):
+        dx_RM, dw = carry
+        got_NX, ids_N, state = move.to_owners(both_RX, ids_R, r, local_experts)
+        x_N, dy_N = got_NX[:, :emb], got_NX[:, emb:]
+
+        def local(x, w_):
+            return _local_swiglu(x, ids_N, w_, local_experts, ex.gmm_backend)
+
+        _, pullback = jax.vjp(local, x_N, w)
+        dx_N, dw_round = pullback(dy_N)
+        dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_round, strict=True))
+        return move.back(dx_RM, dx_N, r, state), dw
+
+    dx_RM, dw = lax.fori_loop(0, rounds, one_round, (dx0, dw0))
+    dw = tuple(g.astype(a.dtype) for g, a in zip(dw, w, strict=True))
+    return _reduce_like(dx_RM, x_RM), None, None, dw
+
+
+exchange_swiglu.defvjp(_fwd, _bwd)

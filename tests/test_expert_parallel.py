@@ -1,0 +1,228 @@
+"""Expert parallelism: routed rows exchanged by all-to-all with the experts' owners.
+
+Parity against the plain reference (output, d/dx and every weight gradient), the same
+global statistics as the gathered path, skewed routing that needs several exchange
+rounds, and the compiled program's collectives and argument sizes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hlo import classify
+from layer_helpers import assert_close, build, inputs, loss_and_grads, weight_shapes
+from test_layers_parity import reference_grads
+
+from layers.programs import compile_fwd_bwd
+from layers.reference import reference_moe, reference_route
+
+BATCH, SEQ = 8, 32
+EP = ("expert_exchange=all_to_all",)
+MESHES = {
+    "expert2_cp4": {"expert": 2, "context": 4},
+    "data2_cp4_folded": {"data": 2, "context": 4},
+    "expert4_cp2": {"expert": 4, "context": 2},
+    "fsdp2_expert2_cp2": {"fsdp": 2, "expert": 2, "context": 2},
+    "data2_expert4_cp1": {"data": 2, "expert": 4},
+    "tensor2_cp4": {"context": 4, "tensor": 2},
+}
+GROUPS = {
+    "expert2_cp4": ("expert", "context"),
+    "data2_cp4_folded": ("context",),
+    "expert4_cp2": ("expert", "context"),
+    "fsdp2_expert2_cp2": ("expert", "context"),
+    "data2_expert4_cp1": ("expert",),
+    "tensor2_cp4": ("context",),
+}
+
+
+def check_against_reference(model, x, cot, what: str):
+    y, stats, gw, gx = loss_and_grads(model, x, cot)
+    ry, rgw, rgx = reference_grads(model, x, cot, 1)
+    assert_close(y, ry, what=f"{what} output")
+    assert_close(gx, rgx, what=f"{what} d/dx")
+    for name in ("gate_ME", "wi_0_EMH", "wi_1_EMH", "wo_EHM"):
+        assert_close(getattr(gw, name), getattr(rgw, name), what=f"{what} d/d{name}")
+    return stats
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_matches_reference_and_the_gathered_statistics(jax_cpu8, mesh_name):
+    model = build("megablox", MESHES[mesh_name], BATCH, SEQ, *EP)
+    assert model.plan.placement.group_axes == GROUPS[mesh_name]
+    group = math.prod(MESHES[mesh_name].get(a, 1) for a in GROUPS[mesh_name])
+    assert model.wi_0[...].sharding.shard_shape(model.wi_0[...].shape)[0] == 8 // group
+    x, cot = inputs(BATCH, SEQ)
+    stats = check_against_reference(model, x, cot, mesh_name)
+    gathered = build("megablox", MESHES[mesh_name], BATCH, SEQ, "expert_exchange=gather")
+    _, gathered_stats, _, _ = loss_and_grads(gathered, x, cot)
+    for key in ("load_balance_loss", "tokens_per_expert", "dropped_tokens", "nonfinite_tokens"):
+        np.testing.assert_array_equal(stats[key], gathered_stats[key], err_msg=key)
+    assert float(stats["exchange_rounds"]) == 1  # balanced routing fits one round
+
+
+def skew(model, x, kind: str):
+    """Every token's top-2 on expert 0 and 1 (owner 0's experts, or one expert each)."""
+    kernel = np.array(model.gate.kernel[...])
+    kernel[0, :] = -50.0
+    kernel[0, 0] = 50.0
+    if kind == "one_owner":
+        kernel[0, 1] = 49.0  # second choice: expert 1, also on group member 0
+    model.gate.kernel[...] = jnp.asarray(kernel)
+    return x.at[..., 0].set(4.0)
+
+
+@pytest.mark.parametrize("kind", ["one_expert", "one_owner"])
+def test_skewed_routing_takes_more_rounds_and_stays_exact(jax_cpu8, kind):
+    model = build("megablox", MESHES["data2_cp4_folded"], BATCH, SEQ, *EP)
+    x, cot = inputs(BATCH, SEQ)
+    x = skew(model, x, kind)
+    stats = check_against_reference(model, x, cot, kind)
+    _, ref = reference_moe(model.weights(), x, model.spec)
+    np.testing.assert_array_equal(stats["tokens_per_expert"], ref["tokens_per_expert"])
+    counts = np.asarray(stats["tokens_per_expert"])
+    assert counts[0] == BATCH * SEQ and float(stats["dropped_tokens"]) == 0
+    expected = expected_rounds(model, x, data=2, cp=4, group=4)
+    assert expected > 1 and float(stats["exchange_rounds"]) == expected
+
+
+def expected_rounds(model, x, data: int, cp: int, group: int) -> int:
+    """Rounds the exchange needs, from the plain reference routing: the most rows any
+    device sends one owner, over B = 1.25 x its rows / group (rounded up to 8)."""
+    _, ids_TK, _ = reference_route(model.weights(), x, model.spec)
+    ids = np.asarray(ids_TK).reshape(BATCH, SEQ, -1)
+    local_experts = model.spec.num_experts // group
+    most = 0
+    for b in np.split(ids, data, axis=0):
+        for shard in np.split(b, cp, axis=1):
+            owners = np.bincount(shard.reshape(-1) // local_experts, minlength=group)
+            most = max(most, int(owners.max()))
+            rows = shard.size
+    buffer = 8 * math.ceil(1.25 * rows / group / 8)
+    return math.ceil(most / buffer)
+
+
+def compiled_ep(mesh_name, batch=2, seq=2048):
+    model = build("megablox", MESHES[mesh_name], batch, seq, *EP)
+    return model, compile_fwd_bwd(model, batch, seq)
+
+
+@pytest.mark.parametrize("mesh_name", ["data2_cp4_folded", "expert2_cp4"])
+def test_only_routed_rows_cross_devices_and_weights_stay_home(jax_cpu8, mesh_name):
+    batch, seq, emb = 2, 2048, 64
+    model, program = compiled_ep(mesh_name, batch, seq)
+    text = program.as_text()
+    local = batch * seq // model.layout.size(model.layout.token_axes)
+    moved = classify(text, weight_shapes(model), local * emb, batch * seq)
+    big = moved["activations"]
+    assert big and all(op.startswith("all-to-all") for op in big), big
+    gathers = [op for op in moved["weights"] if op.startswith(("all-gather", "reduce-scatter"))]
+    assert gathers == [], f"expert weights left their owners: {gathers}"
+    reductions = [op for op in moved["small"] if op.startswith("all-reduce")]
+    assert reductions and all(_elements(op) <= 64 * 8 + 8 for op in reductions), reductions
+    # Each device's expert-weight arguments are its E / group experts.
+    (w_shardings, _), _ = program.input_shardings
+    group = model.layout.size(model.layout.group)
+    for name in ("wi_0_EMH", "wi_1_EMH", "wo_EHM"):
+        full = getattr(model.weights(), name).shape
+        assert getattr(w_shardings, name).shard_shape(full)[0] == full[0] // group
+
+
+def _elements(label: str) -> int:
+    """Elements over every result of a collective's label (`op [a, b] [c]`)."""
+    shapes = label.split(" ", 1)[1].replace("]", "").split("[")[1:]
+    return sum(math.prod(int(d) for d in s.split(",") if d.strip()) for s in shapes)
+
+
+def test_ragged_backend_lowers_to_ragged_all_to_all(jax_cpu8):
+    """The GPU/TPU backend is wired: a plan resolved for an H100 node names it, and the
+    block lowers to XLA's ragged-all-to-all (XLA:CPU cannot run it, so it is lowered,
+    not executed, here)."""
+    from flax import nnx
+
+    import layers
+    import selector
+    from layers.programs import abstract_inputs, block_forward, fwd_bwd_loss
+
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=h100_8",
+            "ici_fsdp_parallelism=1",
+            "ici_data_parallelism=2",
+            "ici_context_parallelism=4",
+            "per_device_batch_size=0.25",
+            "max_target_length=256",
+            "dispatch=megablox",
+            *EP,
+        ]
+    )
+    plan = selector.resolve(cfg)  # no live mesh: the H100 platform stands
+    assert plan.exchange_backend == "ragged_all_to_all" and plan.gmm_backend == "ragged_dot"
+    model = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan), plan=plan, rngs=nnx.Rngs(0))
+    assert model.spec.exchange.backend == "ragged_all_to_all"
+    w, x = abstract_inputs(model, 2, 256)
+    lowered = jax.jit(jax.grad(fwd_bwd_loss(block_forward(model)), argnums=(0, 1))).lower(w, x)
+    text = lowered.as_text()
+    assert text.count("ragged_all_to_all") >= 4  # rows and ids there, results back; bwd
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, **_
+):
+    """jax.lax.ragged_all_to_all's documented semantics from plain all_to_all (which
+    XLA:CPU runs): slice i of this device's operand goes to peer i and lands at
+    output_offsets[i] in that peer's output; what arrives from peer j is recv_sizes[j]
+    rows long."""
+    peers = input_offsets.shape[0]
+    cap = min(operand.shape[0], output.shape[0])
+    rows = jnp.arange(cap)
+    start = jnp.minimum(input_offsets, operand.shape[0] - cap)
+    shift = input_offsets - start
+    idx = start[:, None] + shift[:, None] + rows[None, :]
+    slices = jnp.take(operand, jnp.minimum(idx, operand.shape[0] - 1).reshape(-1), axis=0)
+    slices = slices.reshape(peers, cap, *operand.shape[1:])
+    got = jax.lax.all_to_all(slices, axis_name, 0, 0, tiled=True)
+    where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    target = where[:, None] + rows[None, :]
+    keep = rows[None, :] < recv_sizes[:, None]
+    target = jnp.where(keep, target, output.shape[0]).reshape(-1)
+    return output.at[target].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+@pytest.mark.parametrize("kind", ["balanced", "one_owner"])
+def test_ragged_backend_logic_with_an_emulated_collective(jax_cpu8, monkeypatch, kind):
+    """The ragged transport's offsets and sizes, run on CPU through an emulation of the
+    collective: parity with the reference, balanced and over several rounds."""
+    from flax import nnx
+
+    import layers
+    import selector
+
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=h100_8",
+            "ici_fsdp_parallelism=1",
+            "ici_data_parallelism=2",
+            "ici_context_parallelism=4",
+            f"per_device_batch_size={BATCH / 8}",
+            f"max_target_length={SEQ}",
+            "dispatch=megablox",
+            "dtype=float32",
+            "allow_local_batch_inflation=true",
+            "context_parallel_load_balance=false",
+            *EP,
+        ]
+    )
+    plan = selector.resolve(cfg)
+    assert plan.exchange_backend == "ragged_all_to_all"
+    model = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan), plan=plan, rngs=nnx.Rngs(0))
+    x, cot = inputs(BATCH, SEQ)
+    if kind == "one_owner":
+        x = skew(model, x, kind)
+    stats = check_against_reference(model, x, cot, f"ragged {kind}")
+    assert float(stats["exchange_rounds"]) == expected_rounds(model, x, data=2, cp=4, group=4)
