@@ -19,7 +19,7 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
     batch, seq, emb = x_BSM.shape
     x_TM = x_BSM.reshape(batch * seq, emb)
     with jax.named_scope("route"):
-        weights_TK, ids_TK, probs_TE = route(x_TM, w.gate_ME, spec.top_k, spec.norm_topk_prob)
+        weights_TK, ids_TK, probs_TE = route(x_TM, w, spec)
         combine_TE = jnp.einsum(
             "tk,tke->te", weights_TK, jax.nn.one_hot(ids_TK, spec.num_experts, dtype=jnp.float32)
         )

@@ -5,6 +5,7 @@ Legend: B batch, S sequence, T tokens, M embedding, H hidden, E experts, C capac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -13,17 +14,23 @@ import jax.numpy as jnp
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Router and expert weights as the strategies see them (a pytree)."""
+    """Router, routed-expert and shared-expert weights as the strategies see them (a
+    pytree; the optional parts are None when the model has none). S is the shared
+    experts' hidden dim (shared_experts x the expert hidden dim)."""
 
     gate_ME: jax.Array
     wi_0_EMH: jax.Array
     wi_1_EMH: jax.Array
     wo_EHM: jax.Array
+    bias_E: jax.Array | None = None  # routed bias: steers selection only
+    shared_wi_0_MS: jax.Array | None = None
+    shared_wi_1_MS: jax.Array | None = None
+    shared_wo_SM: jax.Array | None = None
+    shared_gate_M1: jax.Array | None = None  # sigmoid gate on the shared output
 
 
-jax.tree_util.register_dataclass(
-    ExpertWeights, data_fields=["gate_ME", "wi_0_EMH", "wi_1_EMH", "wo_EHM"], meta_fields=[]
-)
+WEIGHT_FIELDS = [f.name for f in dataclasses.fields(ExpertWeights)]
+jax.tree_util.register_dataclass(ExpertWeights, data_fields=WEIGHT_FIELDS, meta_fields=[])
 
 
 def swiglu(gate_h, up_h):
@@ -45,3 +52,21 @@ def expert_swiglu(x, w: ExpertWeights, dtype, x_dims: str, h_dims: str):
 def dense_ffn(x_TM, wi_0_MH, wi_1_MH, wo_HM):
     """One SwiGLU MLP over every token (the plain MlpBlock and the one-expert case)."""
     return swiglu(x_TM @ wi_0_MH, x_TM @ wi_1_MH) @ wo_HM
+
+
+def shared_swiglu(x_TM, w: ExpertWeights, dtype):
+    """The shared experts' SwiGLU of every token, scaled by the sigmoid gate when the
+    model has one (Qwen3-Next); zero when the model has no shared experts."""
+    if w.shared_wi_0_MS is None:
+        return None
+    xd = x_TM.astype(dtype)
+    y = dense_ffn(
+        xd,
+        w.shared_wi_0_MS.astype(dtype),
+        w.shared_wi_1_MS.astype(dtype),
+        w.shared_wo_SM.astype(dtype),
+    )
+    if w.shared_gate_M1 is not None:
+        gate_T1 = jnp.einsum("tm,mo->to", x_TM.astype(jnp.float32), w.shared_gate_M1.astype(jnp.float32))
+        y = y * jax.nn.sigmoid(gate_T1).astype(dtype)
+    return y

@@ -22,7 +22,7 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
     batch, seq, emb = x_BSM.shape
     x_TM = x_BSM.reshape(batch * seq, emb)
     with jax.named_scope("route"):
-        weights_TK, ids_TK, probs_TE = route(x_TM, w.gate_ME, spec.top_k, spec.norm_topk_prob)
+        weights_TK, ids_TK, probs_TE = route(x_TM, w, spec)
     with jax.named_scope("permute"):
         ids_R = ids_TK.reshape(-1)
         order_R = jnp.argsort(ids_R, stable=True)

@@ -20,7 +20,7 @@ import selector
 from selector import Dispatch
 
 from . import dense, megablox, subgroup_capacity
-from .ffn import ExpertWeights, dense_ffn
+from .ffn import WEIGHT_FIELDS, ExpertWeights, dense_ffn, shared_swiglu
 from .router import finish_stats, partial_stats, route, split_global
 from .params import create_sharded, param
 from .sharding import Layout, gather
@@ -31,7 +31,7 @@ def _mlp_local(x_BSM, w: ExpertWeights, spec: MoESpec):
     """One expert: a plain SwiGLU MLP; the router is trivially 1 for expert 0."""
     batch, seq, emb = x_BSM.shape
     x_TM = x_BSM.reshape(-1, emb)
-    _, ids_TK, probs_TE = route(x_TM, w.gate_ME, spec.top_k, spec.norm_topk_prob)
+    _, ids_TK, probs_TE = route(x_TM, w, spec)
     dt = spec.compute_dtype
     y_TM = dense_ffn(
         x_TM.astype(dt), w.wi_0_EMH[0].astype(dt), w.wi_1_EMH[0].astype(dt), w.wo_EHM[0].astype(dt)
@@ -54,20 +54,53 @@ def weights_for_compute(w: ExpertWeights, layout: Layout, dtype) -> ExpertWeight
     Expert weights are cast to the compute dtype first (half the bytes to move in
     bfloat16), then all-gathered over the embed axes and, unless rows are exchanged,
     the expert axes; the hidden axes stay split. The router kernel keeps its dtype
-    (the router computes in float32).
+    (the router computes in float32), and so do the small bias and shared gate.
     """
     experts, embed = layout.gathered_experts, layout.embed
+
+    def cast(a):
+        return None if a is None else a.astype(dtype)
+
     return ExpertWeights(
         gate_ME=gather(w.gate_ME, embed, 0),
-        wi_0_EMH=gather(gather(w.wi_0_EMH.astype(dtype), embed, 1), experts, 0),
-        wi_1_EMH=gather(gather(w.wi_1_EMH.astype(dtype), embed, 1), experts, 0),
-        wo_EHM=gather(gather(w.wo_EHM.astype(dtype), embed, 2), experts, 0),
+        wi_0_EMH=gather(gather(cast(w.wi_0_EMH), embed, 1), experts, 0),
+        wi_1_EMH=gather(gather(cast(w.wi_1_EMH), embed, 1), experts, 0),
+        wo_EHM=gather(gather(cast(w.wo_EHM), embed, 2), experts, 0),
+        bias_E=w.bias_E,
+        shared_wi_0_MS=_gather_opt(cast(w.shared_wi_0_MS), embed, 0),
+        shared_wi_1_MS=_gather_opt(cast(w.shared_wi_1_MS), embed, 0),
+        shared_wo_SM=_gather_opt(cast(w.shared_wo_SM), embed, 1),
+        shared_gate_M1=_gather_opt(w.shared_gate_M1, embed, 0),
     )
 
 
-def weight_specs(layout: Layout) -> ExpertWeights:
-    """The at-rest PartitionSpec of each weight, as the shard_map's in_specs."""
-    return ExpertWeights(layout.gate_ME, layout.w_EMH, layout.w_EMH, layout.w_EHM)
+def _gather_opt(a, axes, dim):
+    return None if a is None else gather(a, axes, dim)
+
+
+def weight_specs(layout: Layout, w: ExpertWeights) -> ExpertWeights:
+    """The at-rest PartitionSpec of each weight (None where the model has none), as the
+    shard_map's in_specs."""
+    specs = layout.weight_specs()
+    return ExpertWeights(
+        **{
+            name: (None if getattr(w, name) is None else specs[name])
+            for name in WEIGHT_FIELDS
+        }
+    )
+
+
+def _local_with_shared(local, x_BSM, w_rest, layout: Layout, spec: MoESpec):
+    """One device's routed output plus the shared experts' (partial over the hidden
+    axes, like the routed one)."""
+    w = weights_for_compute(w_rest, layout, spec.compute_dtype)
+    y_BSM, sums = local(x_BSM, w, spec)
+    batch, seq, emb = x_BSM.shape
+    with jax.named_scope("shared_experts"):
+        shared = shared_swiglu(x_BSM.reshape(-1, emb), w, spec.compute_dtype)
+    if shared is not None:
+        y_BSM = y_BSM + shared.reshape(batch, seq, emb).astype(y_BSM.dtype)
+    return y_BSM, sums
 
 
 def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
@@ -80,13 +113,13 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     layout.check_input(x_BSM.shape)
     local = STRATEGIES[strategy]
     if layout.mesh.size == 1:  # one device: nothing to shard or reduce, no shard_map needed
-        y, sums = local(x_BSM, weights_for_compute(w, layout, spec.compute_dtype), spec)
+        y, sums = _local_with_shared(local, x_BSM, w, layout, spec)
         sums, done = split_global(sums)
         return y, {**finish_stats(sums, spec.top_k), **done}
 
     def body(x, w_rest):
-        y, sums = local(x, weights_for_compute(w_rest, layout, spec.compute_dtype), spec)
-        if layout.hidden:
+        y, sums = _local_with_shared(local, x, w_rest, layout, spec)
+        if layout.hidden:  # every expert's hidden slice (routed and shared) summed once
             y = jax.lax.psum(y, layout.hidden)
         sums, done = split_global(sums)
         sums = jax.lax.psum(sums, layout.token_axes) if layout.token_axes else sums
@@ -95,18 +128,39 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(layout.x_BSM, weight_specs(layout)),
+        in_specs=(layout.x_BSM, weight_specs(layout, w)),
         out_specs=(layout.x_BSM, layout.replicated),
         check_vma=True,
     )
     return fn(x_BSM, w)
 
 
-class GateLogit(nnx.Module):
-    """The router's kernel (M, E), named as MaxText's `gate.kernel`."""
+class RoutedBias(nnx.Variable):
+    """The router's selection bias (aux-loss-free balancing): state updated by
+    `layers.update_routed_bias` from the load statistics, never by gradients."""
+
+
+class Dense(nnx.Module):
+    """A kernel, named as MaxText's DenseGeneral names it."""
 
     def __init__(self, kernel: nnx.Param):
         self.kernel = kernel
+
+
+class GateLogit(nnx.Module):
+    """The router: kernel (M, E) and, for DeepSeek-V3-style routing, a bias (E,);
+    named as MaxText's `gate`."""
+
+    def __init__(self, kernel: nnx.Param, bias: RoutedBias | None = None):
+        self.kernel = kernel
+        self.bias = nnx.data(bias)  # None for softmax-only routers
+
+
+class SharedExperts(nnx.Module):
+    """The shared experts' SwiGLU (MaxText's MlpBlock names: wi_0, wi_1, wo)."""
+
+    def __init__(self, wi_0: nnx.Param, wi_1: nnx.Param, wo: nnx.Param):
+        self.wi_0, self.wi_1, self.wo = Dense(wi_0), Dense(wi_1), Dense(wo)
 
 
 class MoEBlock(nnx.Module):
@@ -118,10 +172,13 @@ class MoEBlock(nnx.Module):
     `selector.resolve(cfg, mesh)` when omitted (raises ConfigError on bad settings).
 
     Parameters are created in `param_dtype`, already sharded as they rest (see
-    `layers.params`); `dtype` is the compute dtype.
+    `layers.params`); `dtype` is the compute dtype. Parameter names follow MaxText:
+    gate/kernel, gate/bias, wi_0, wi_1, wo, shared_experts/{wi_0,wi_1,wo}/kernel and
+    shared_expert_gate/kernel (`layers.maxtext_params` converts both ways).
 
     __call__(x_BSM) -> (y_BSM, stats) with stats: load_balance_loss, dropped_fraction,
-    dropped_tokens, tokens_per_expert (E,), all over the global batch.
+    dropped_tokens, tokens_per_expert (E,), nonfinite_tokens, and exchange_rounds when
+    rows are exchanged, all over the global batch.
     """
 
     def __init__(
@@ -132,29 +189,69 @@ class MoEBlock(nnx.Module):
         self.layout = Layout.from_plan(self.plan, mesh)
         self.spec = MoESpec.from_config(config, self.plan, self.layout)
         self.param_dtype = jnp.dtype(config.param_dtype)
-        shapes, shardings = self.param_layout()
-        keys = [rngs.params() for _ in shapes]
-        values = create_sharded(keys, shapes, self.param_dtype, shardings)
-        gate, wi_0, wi_1, wo = (param(v, s) for v, s in zip(values, shardings, strict=True))
-        self.gate = GateLogit(gate)
-        self.wi_0, self.wi_1, self.wo = wi_0, wi_1, wo
+        names, shapes, shardings = self.param_layout()
+        keys = [rngs.params() for _ in names]
+        values = dict(zip(names, create_sharded(keys, shapes, self.param_dtype, shardings), strict=True))
+        p = {n: param(values[n], s) for n, s in zip(names, shardings, strict=True)}
+        bias = None
+        if self.spec.routed_bias:
+            spec = self.layout.weight_specs()["bias_E"]
+            zeros = jax.device_put(
+                jnp.zeros((self.spec.num_experts,), jnp.float32), self.layout.named(spec)
+            )
+            bias = RoutedBias(zeros, out_sharding=spec, mesh=mesh)
+        self.gate = GateLogit(p["gate_ME"], bias)
+        self.wi_0, self.wi_1, self.wo = p["wi_0_EMH"], p["wi_1_EMH"], p["wo_EHM"]
+        shared = None
+        if "shared_wi_0_MS" in p:
+            shared = SharedExperts(p["shared_wi_0_MS"], p["shared_wi_1_MS"], p["shared_wo_SM"])
+        self.shared_experts = nnx.data(shared)
+        gate = Dense(p["shared_gate_M1"]) if "shared_gate_M1" in p else None
+        self.shared_expert_gate = nnx.data(gate)
 
-    PARAM_NAMES = ("gate.kernel", "wi_0", "wi_1", "wo")
-
-    def param_layout(self) -> tuple[tuple[tuple[int, ...], ...], list]:
-        """(shapes, at-rest NamedShardings) of the parameters, in PARAM_NAMES order."""
-        emb, hidden, experts = self.spec.emb, self.spec.hidden, self.spec.num_experts
-        shapes = (
-            (emb, experts),
-            (experts, emb, hidden),
-            (experts, emb, hidden),
-            (experts, hidden, emb),
-        )
-        specs = self.layout.param_specs()
-        return shapes, [self.layout.named(specs[n]) for n in self.PARAM_NAMES]
+    def param_layout(self) -> tuple[list[str], list[tuple[int, ...]], list]:
+        """(names, shapes, at-rest NamedShardings) of the initialised parameters, by
+        their ExpertWeights field names."""
+        s = self.spec
+        emb, hidden, experts, shared = s.emb, s.hidden, s.num_experts, s.shared_hidden
+        shapes = {
+            "gate_ME": (emb, experts),
+            "wi_0_EMH": (experts, emb, hidden),
+            "wi_1_EMH": (experts, emb, hidden),
+            "wo_EHM": (experts, hidden, emb),
+        }
+        if shared:
+            shapes |= {
+                "shared_wi_0_MS": (emb, shared),
+                "shared_wi_1_MS": (emb, shared),
+                "shared_wo_SM": (shared, emb),
+            }
+        if s.shared_expert_gate:
+            shapes["shared_gate_M1"] = (emb, 1)
+        specs = self.layout.weight_specs()
+        names = list(shapes)
+        return names, [shapes[n] for n in names], [self.layout.named(specs[n]) for n in names]
 
     def weights(self) -> ExpertWeights:
-        return ExpertWeights(self.gate.kernel[...], self.wi_0[...], self.wi_1[...], self.wo[...])
+        """The parameters as a pytree (abstract ShapeDtypeStructs under nnx.eval_shape)."""
+
+        def value(v):
+            return None if v is None else v.get_value()
+
+        shared = self.shared_experts
+        return ExpertWeights(
+            gate_ME=value(self.gate.kernel),
+            wi_0_EMH=value(self.wi_0),
+            wi_1_EMH=value(self.wi_1),
+            wo_EHM=value(self.wo),
+            bias_E=value(self.gate.bias),
+            shared_wi_0_MS=None if shared is None else value(shared.wi_0.kernel),
+            shared_wi_1_MS=None if shared is None else value(shared.wi_1.kernel),
+            shared_wo_SM=None if shared is None else value(shared.wo.kernel),
+            shared_gate_M1=(
+                None if self.shared_expert_gate is None else value(self.shared_expert_gate.kernel)
+            ),
+        )
 
     def __call__(self, x_BSM):
         return sharded_forward(self.plan.strategy, self.layout, self.spec, x_BSM, self.weights())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -27,8 +28,13 @@ def initialiser(shapes: tuple, dtype, shardings: tuple[NamedSharding, ...]):
     """One jitted program creating every parameter of a block, cached per layout
     (`.lower(keys).compile().memory_analysis()` shows what creation costs a device)."""
 
+    # Drawn in float32 and cast: sampling directly in float8 gives NaN, and this way a
+    # bfloat16 or float8 block holds the rounding of the float32 block of the same seed.
     def init(keys):
-        return tuple(INIT(k, shape, dtype) for k, shape in zip(keys, shapes, strict=True))
+        return tuple(
+            INIT(k, shape, jnp.float32).astype(dtype)
+            for k, shape in zip(keys, shapes, strict=True)
+        )
 
     return jax.jit(init, out_shardings=shardings)
 

@@ -31,7 +31,8 @@ def fwd_bwd_loss(forward):
 
 def abstract_inputs(model: MoEBlock, batch: int, seq: int):
     """(weights, x) as ShapeDtypeStructs with their shardings on the block's mesh:
-    parameters keep their at-rest sharding (replicated when never placed)."""
+    parameters at their at-rest sharding, x in the compute dtype, sharded (batch axes,
+    sequence axes). Works on an abstract block from nnx.eval_shape too."""
     layout = model.layout
 
     def at_rest(a):
@@ -42,7 +43,7 @@ def abstract_inputs(model: MoEBlock, batch: int, seq: int):
 
     w = jax.tree.map(at_rest, model.weights())
     x = jax.ShapeDtypeStruct(
-        (batch, seq, model.spec.emb), jnp.float32, sharding=layout.named(layout.x_BSM)
+        (batch, seq, model.spec.emb), model.spec.compute_dtype, sharding=layout.named(layout.x_BSM)
     )
     return w, x
 

@@ -113,6 +113,22 @@ class Layout:
             "wo": self.w_EHM,
         }
 
+    def weight_specs(self) -> dict[str, P]:
+        """At-rest spec per ExpertWeights field: shared experts rest like one expert
+        (embed and hidden split), the router's bias replicated (E floats)."""
+        embed, hidden = _entry(self.embed), _entry(self.hidden)
+        return {
+            "gate_ME": self.gate_ME,
+            "wi_0_EMH": self.w_EMH,
+            "wi_1_EMH": self.w_EMH,
+            "wo_EHM": self.w_EHM,
+            "bias_E": P(),
+            "shared_wi_0_MS": P(embed, hidden),
+            "shared_wi_1_MS": P(embed, hidden),
+            "shared_wo_SM": P(hidden, embed),
+            "shared_gate_M1": P(embed, None),
+        }
+
     def named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from selector.config import CapacityRounding
 from selector.derive import capacity
 
 from .expert_parallel import Exchange
@@ -23,6 +24,14 @@ class MoESpec:
     dtype: str  # compute dtype name
     gmm_backend: str
     exchange: Exchange | None = None  # expert parallelism; None when weights are gathered
+    score_func: str = "softmax"  # or "sigmoid"
+    routed_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    n_routing_groups: int = -1
+    topk_routing_group: int = -1
+    shared_experts: int = 0  # shared hidden = shared_experts x hidden
+    shared_expert_gate: bool = False
+    capacity_rounding: str = "ours"
 
     @classmethod
     def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
@@ -47,7 +56,19 @@ class MoESpec:
             cfg.dtype,
             plan.gmm_backend,
             exchange,
+            cfg.routed_score_func.value,
+            cfg.routed_bias,
+            cfg.routed_scaling_factor,
+            cfg.n_routing_groups,
+            cfg.topk_routing_group,
+            cfg.shared_experts,
+            cfg.shared_expert_gate,
+            cfg.capacity_rounding.value,
         )
+
+    @property
+    def shared_hidden(self) -> int:
+        return self.shared_experts * self.hidden
 
     @property
     def compute_dtype(self):
@@ -55,7 +76,8 @@ class MoESpec:
 
     def capacity(self, sub_seq: int) -> int:
         """Per-subgroup capacity, the selector's formula on the actual local length."""
-        cap = capacity(sub_seq, self.top_k, self.num_experts, self.capacity_factor)
+        rounding = CapacityRounding(self.capacity_rounding)
+        cap = capacity(sub_seq, self.top_k, self.num_experts, self.capacity_factor, rounding)
         if cap is None:
             raise ValueError("subgroup_capacity needs capacity_factor > 0")
         return cap

@@ -44,9 +44,7 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
     batch, seq, emb = x_BSM.shape
     cap = spec.capacity(seq)
     with jax.named_scope("route"):
-        weights_TK, ids_TK, probs_TE = route(
-            x_BSM.reshape(-1, emb), w.gate_ME, spec.top_k, spec.norm_topk_prob
-        )
+        weights_TK, ids_TK, probs_TE = route(x_BSM.reshape(-1, emb), w, spec)
         dispatch_BSEC, combine_BSEC, dropped = capacity_masks(
             ids_TK.reshape(batch, seq, -1),
             weights_TK.reshape(batch, seq, -1),

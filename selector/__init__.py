@@ -6,25 +6,43 @@ Importing this package never imports jax.
 
 from .api import register_resolvers, resolve, validate
 from .compose import compose, conf_dir, to_config
-from .config import MESH_AXES, AxisRules, Config, Dispatch, Hardware, Mode
-from .findings import ConfigError, Finding, Severity
+from .config import (
+    MESH_AXES,
+    AxisRules,
+    CapacityRounding,
+    Config,
+    Dispatch,
+    Exchange,
+    ExpertGroup,
+    Hardware,
+    Mode,
+    ScoreFunc,
+)
+from .findings import ConfigError, Finding, Fix, Severity
 from .maxtext import MaxTextError, MaxTextImport, from_maxtext
+from .placement import WeightPlacement
 from .plan import Candidate, DispatchPlan
 
 __all__ = [
     "MESH_AXES",
     "AxisRules",
+    "CapacityRounding",
     "Candidate",
     "Config",
     "ConfigError",
     "Dispatch",
     "DispatchPlan",
+    "Exchange",
+    "ExpertGroup",
     "Finding",
+    "Fix",
     "Hardware",
     "MaxTextError",
     "MaxTextImport",
     "Mode",
+    "ScoreFunc",
     "Severity",
+    "WeightPlacement",
     "compose",
     "conf_dir",
     "from_maxtext",

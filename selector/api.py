@@ -63,15 +63,18 @@ def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
 
 
 def _moe_dispatch(path: str = "", *, _root_) -> str:
-    node = OmegaConf.select(_root_, path) if path else _root_
-    return resolve(node).strategy.value
+    if path:  # a node of selector settings only: every other key is an error
+        return resolve(to_config(OmegaConf.select(_root_, path))).strategy.value
+    return resolve(to_config(_root_, others="misspellings")).strategy.value
 
 
 def register_resolvers() -> None:
     """Register `${moe_dispatch:}` (and `${moe_dispatch:path.to.node}`) in OmegaConf.
 
-    The resolver reads the selector's keys (MaxText spelling) from the root of the
-    user's config, or from the node at `path`, and returns the chosen strategy name.
-    Unknown keys in that node are ignored; a config with errors raises ConfigError.
+    The resolver reads the selector's settings (MaxText spelling) from the node at
+    `path`, where any other key is an error, or from the root of the user's config,
+    where the app's own keys may sit beside them and only a key that looks like a
+    misspelled setting (`num_expert`) is an error. Returns the chosen strategy name; a
+    config with errors raises ConfigError.
     """
     OmegaConf.register_new_resolver("moe_dispatch", _moe_dispatch, replace=True)

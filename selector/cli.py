@@ -1,86 +1,97 @@
-"""`python -m selector [overrides]`: a Hydra app that prints the plan and its findings.
+"""`python -m selector [options] [key=value ...]`: the pre-launch check.
+
+Composes the packaged config tree with Hydra overrides (Hydra's compose API and
+override grammar: `key=value`, `group=option`, `~key`, sweeps with -m), resolves and
+validates it, and prints the plan and findings. It never imports jax.
 
 Exit status: 0 no errors (warnings allowed), 1 validation errors, 2 unusable input
-(unknown key, wrong type, unparsable override). Never a Python traceback: overrides
-are composed once up front, so a bad one is explained in one paragraph before Hydra
-starts, and the job itself catches what it raises.
+(unknown key, wrong type, unparsable override, unreadable file). Never a traceback.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
+import argparse
+import itertools
 import json
 import os
 import re
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from hydra.types import RunMode
-from omegaconf import DictConfig
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from .api import analyse_any
-from .compose import _FIELDS, compose, conf_dir, register_schema, to_config
-from .config import AxisRules, Hardware, OutputFormat
-from .findings import errors_in
+from .compose import compose, to_config
+from .config import OutputFormat
+from .findings import ConfigError, errors_in
 from .maxtext import MaxTextError, from_maxtext
 from .report import render_json, render_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
-# Hydra flags that change what is composed; with them we leave checking to Hydra.
-_HYDRA_VALUE_FLAGS = {
-    "--config-name",
-    "-cn",
-    "--config-path",
-    "-cp",
-    "--config-dir",
-    "-cd",
-    "--experimental-rerun",
-    "--info",
-    "-i",
-    "--shell-completion",
-    "-sc",
-}
-_PREFIX = {OverrideType.CHANGE: "", OverrideType.ADD: "+", OverrideType.FORCE_ADD: "++"}
+DESCRIPTION = """\
+Pre-launch check for the MoE block under context parallelism. It reads the mesh,
+sequence length and model from the config tree (MaxText spelling for shared knobs),
+picks the MoE dispatch and how expert weights meet the tokens (gathered or exchanged
+by all-to-all), and reports every setting that would inflate the local batch, drop
+tokens or waste memory, each with a fix that passes the next check.
+
+overrides:
+  key=value                 set a setting (ici_context_parallelism=4)
+  model=NAME, mesh=NAME,    pick a preset (model: qwen3_next_80b_a3b, deepseek_v3,
+  hardware=NAME             qwen3_30b_a3b, mixtral_8x7b, tiny)
+  a=1,2 b=x,y  with -m      one check per combination (the worst sets the status)
+  maxtext_config=PATH       check a MaxText YAML (base_config chain, models/) as it is
+
+exit status: 0 ok (warnings allowed), 1 validation errors, 2 unusable input
+"""
 
 
-def _first_line(text: str) -> str:
+class _Usage(Exception):
+    """Unusable command-line input: one paragraph, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit 2 on its own
+        raise _Usage(f"{message}. See `python -m selector --help`.")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m selector",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-m", "--multirun", action="store_true", help="sweep comma-separated values")
+    p.add_argument(
+        "-c",
+        "--cfg",
+        choices=("job", "all"),
+        help="print the composed config as YAML (every key and its value) instead of checking",
+    )
+    p.add_argument("overrides", nargs="*", help="key=value overrides (see above)")
+    return p
+
+
+def _first_line(text) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 
 
-def _valid_keys() -> list[str]:
-    nested = {f"hardware.{f.name}" for f in dataclasses.fields(Hardware)}
-    nested |= {f"axis_rules.{f.name}" for f in dataclasses.fields(AxisRules)}
-    return sorted(_FIELDS | nested | {"model", "mesh", "hardware"})
-
-
-def _unknown_key(key: str, line: str, why: str = "") -> str:
-    """The message for a key the schema does not have, with the closest real keys."""
-    close = difflib.get_close_matches(key, _valid_keys(), n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return (
-        f"Unknown setting {key!r} (override {line!r}){why}.{hint} Settings use MaxText's "
-        "spelling; `python -m selector --cfg job` lists every key and its value."
-    )
-
-
 def explain(exc: BaseException, line: str) -> str:
-    """One paragraph naming the setting and the fix, for a failed override."""
+    """One paragraph naming the setting and the fix, for an override that fails."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else None
     key = line.split("=", 1)[0].lstrip("+~")
+    if isinstance(exc, ConfigError):
+        return exc.findings[0].message
     if isinstance(exc, OverrideParseException):
         detail = str(exc).strip().splitlines()
         reason = detail[1] if len(detail) > 1 else _first_line(exc)
         return (
-            f"Cannot parse the override {line!r} ({reason}). Overrides take the "
-            "form key=value (for example ici_context_parallelism=4); quote values with "
-            "spaces or special characters."
+            f"Cannot parse the override {line!r} ({reason}). Overrides take the form "
+            "key=value (for example ici_context_parallelism=4); quote values with spaces "
+            "or special characters."
         )
     if isinstance(exc, MissingConfigException):
         m = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
@@ -91,57 +102,46 @@ def explain(exc: BaseException, line: str) -> str:
                 f"Unknown option {option!r} for {group}= (override {line!r}). Available "
                 f"{group} presets: {', '.join(options) or 'none'}."
             )
-        return f"Cannot load the config for override {line!r}: {_first_line(exc)}."
-    if (
-        isinstance(cause, ConfigKeyError)
-        or "not in struct" in str(cause)
-        or (cause is not None and "not in" in str(cause) and "Key" in str(cause))
-    ):
-        return _unknown_key(key, line)
     if isinstance(cause, ValidationError):
         return (
-            f"Setting {key!r} cannot take the value in {line!r}: "
-            f"{_first_line(cause)}. Give a value of the setting's type."
+            f"Setting {key!r} cannot take the value in {line!r}: {_first_line(cause)}. "
+            "Give a value of the setting's type."
+        )
+    if "Ambiguous value" in str(exc):
+        return (
+            f"The override {line!r} lists several values; add -m to run one check per "
+            "value, or give one value."
         )
     return f"Cannot apply the override {line!r}: {_first_line(exc)}."
 
 
-def _single_overrides(args: list[str]):
-    """Each override line as composed alone: sweep values are expanded one by one."""
-    parsed = OverridesParser.create().parse_overrides(args)
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    yield fixed, None
-    for o in parsed:
-        if o.is_sweep_override():
-            for value in o.sweep_string_iterator():
-                line = f"{_PREFIX.get(o.type, '')}{o.get_key_element()}={value}"
-                yield fixed + [line], line
-
-
-def precheck(argv: list[str]) -> str | None:
-    """A one-paragraph message when the overrides cannot be composed, else None."""
-    if any(a.split("=", 1)[0] in _HYDRA_VALUE_FLAGS for a in argv):
-        return None
-    args = [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra")]
+def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override lists to check: one, or the cartesian product of every sweep."""
+    for line in overrides:
+        if line.split("=", 1)[0].startswith("hydra."):
+            raise _Usage(
+                f"{line!r} configures Hydra's job runner, which the check does not use "
+                "(it writes no files); drop it."
+            )
+    if not multirun:
+        return [overrides]
     try:
-        combos = list(_single_overrides(args))
+        parsed = OverridesParser.create().parse_overrides(overrides)
     except OverrideParseException as exc:
-        bad = next((a for a in args if _parses_badly(a)), " ".join(args))
-        return explain(exc, bad)
-    except HydraException as exc:
-        return f"Cannot expand the sweep in {' '.join(args)!r}: {_first_line(exc)}."
-    for lines, line in combos:
-        try:
-            cfg = compose(lines)
-        except Exception as exc:  # noqa: BLE001 - any failure here is a bad override
-            culprit = line or _culprit(lines)
-            return explain(exc, culprit)
-        extra = sorted(set(cfg.keys()) - _FIELDS)
-        if extra:  # added with `+key=...`: composes, but nothing would read it
-            key = extra[0]
-            line = next((ln for ln in lines if ln.lstrip("+").split("=", 1)[0] == key), key)
-            return _unknown_key(key, line, ": the selector would ignore it")
-    return None
+        bad = next((o for o in overrides if _parses_badly(o)), " ".join(overrides))
+        raise _Usage(explain(exc, bad)) from None
+    choices = []
+    for o in parsed:
+        prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
+        if o.is_sweep_override():
+            try:
+                values = list(o.sweep_string_iterator())
+            except HydraException as exc:
+                raise _Usage(f"Cannot expand the sweep {o.input_line!r}: {_first_line(exc)}.")
+            choices.append([f"{prefix}{o.get_key_element()}={v}" for v in values])
+        else:
+            choices.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*choices)]
 
 
 def _parses_badly(arg: str) -> bool:
@@ -152,22 +152,25 @@ def _parses_badly(arg: str) -> bool:
         return True
 
 
-def _culprit(lines: list[str]) -> str:
-    """The first override that fails when composed alone (for the error message)."""
+def _compose(lines: list[str]):
+    """The composed config for one job, or _Usage naming the override that fails."""
+    try:
+        return compose(lines)
+    except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise _Usage(explain(exc, _culprit(lines, exc))) from None
+
+
+def _culprit(lines: list[str], exc: BaseException) -> str:
+    """The override to blame: the one the error names, else the first failing alone."""
+    if isinstance(exc, ConfigError):
+        key = exc.findings[0].setting
+        return next((ln for ln in lines if ln.split("=", 1)[0].lstrip("+~") == key), key)
     for line in lines:
         try:
             compose([line])
         except Exception:  # noqa: BLE001 - we only look for the line that fails
             return line
     return " ".join(lines)
-
-
-def _job_overrides() -> list[str] | None:
-    """This job's overrides in a multirun (to tell the reports apart), else None."""
-    hc = HydraConfig.get()
-    if hc.mode is not RunMode.MULTIRUN:
-        return None
-    return list(hc.overrides.task)
 
 
 def _emit(text: str) -> None:
@@ -179,89 +182,71 @@ def _emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _report(config, plan, findings, *, overrides=None, maxtext=None) -> int:
+def report(config, plan, findings, *, overrides, job=None, maxtext=None) -> int:
     """Print one report (text or JSON) and return its exit status."""
     if config.output is OutputFormat.json:
         payload = json.loads(render_json(config, plan, findings, overrides))
         if maxtext is not None:
-            payload["maxtext"] = {"files": maxtext.files, "ignored": maxtext.ignored}
+            payload["maxtext"] = maxtext.as_dict()
         _emit(json.dumps(payload, sort_keys=True))
     else:
         lines = []
-        if overrides is not None:
-            lines.append(f"=== job: {' '.join(overrides) or '(defaults)'}")
+        if job is not None:
+            lines.append(f"=== job {job}: {' '.join(overrides) or '(defaults)'}")
         if maxtext is not None:
-            ignored = maxtext.ignored
-            more = f", ... ({len(ignored) - 12} more)" if len(ignored) > 12 else ""
-            lines.append(f"MaxText config: {' <- '.join(maxtext.files)}")
-            lines.append(
-                f"Ignored {len(ignored)} MaxText keys the MoE block does not use: "
-                f"{', '.join(ignored[:12]) or '-'}{more}\n"
-            )
+            lines.append(maxtext.summary())
         lines.append(render_text(config, plan, findings))
         _emit("\n".join(lines))
     return EXIT_INVALID if errors_in(findings) else EXIT_OK
 
 
-class _Job:
-    """The Hydra task: reports one composed config and remembers the worst status."""
+def maxtext_main(overrides: list[str], multirun: bool) -> int:
+    """`maxtext_config=PATH [key=value ...]`: check a MaxText config as it is."""
+    if multirun:
+        raise _Usage(
+            "-m cannot be combined with maxtext_config=; the MaxText route takes key=value "
+            "overrides only (run one check per setting)."
+        )
+    path = next(a for a in overrides if a.startswith("maxtext_config=")).split("=", 1)[1]
+    rest = [a for a in overrides if not a.startswith("maxtext_config=")]
+    try:
+        imported = from_maxtext(path, rest)
+        plan, findings = analyse_any(imported.config)
+    except (MaxTextError, ConfigError, ValueError, TypeError) as exc:
+        raise _Usage(explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc))
+    return report(
+        imported.config, plan, imported.findings + findings, overrides=rest, maxtext=imported
+    )
 
-    def __init__(self) -> None:
-        self.status = EXIT_OK
 
-    def __call__(self, cfg: DictConfig) -> None:
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if any(a.startswith("maxtext_config=") for a in args.overrides):
+        return maxtext_main(args.overrides, args.multirun)
+    todo = jobs(args.overrides, args.multirun)
+    composed = [(lines, _compose(lines)) for lines in todo]  # every job, before any report
+    if args.cfg:
+        for _, cfg in composed:
+            _emit(OmegaConf.to_yaml(cfg))
+        return EXIT_OK
+    status = EXIT_OK
+    for i, (lines, cfg) in enumerate(composed):
         try:
             config = to_config(cfg)
-            plan, findings = analyse_any(config)
-            status = _report(config, plan, findings, overrides=_job_overrides())
-        except (OmegaConfBaseException, ValueError, TypeError) as exc:
-            print(f"error: cannot use this config: {_first_line(exc)}", file=sys.stderr)
-            status = EXIT_USAGE
-        self.status = max(self.status, status)
-
-
-def maxtext_main(argv: list[str]) -> int:
-    """`maxtext_config=PATH [key=value ...]`: check a MaxText config as it is."""
-    flags = [a for a in argv if a.startswith("-")]
-    if flags:
-        print(
-            f"error: {' '.join(flags)} cannot be combined with maxtext_config=; the MaxText "
-            "route takes key=value overrides only (run one check per setting).",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    path = next(a for a in argv if a.startswith("maxtext_config=")).split("=", 1)[1]
-    overrides = [a for a in argv if not a.startswith("maxtext_config=")]
-    try:
-        imported = from_maxtext(path, overrides)
-        plan, findings = analyse_any(imported.config)
-    except (MaxTextError, ValueError, TypeError) as exc:
-        print(f"error: {_first_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
-    return _report(imported.config, plan, imported.findings + findings, maxtext=imported)
+        except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as exc:
+            raise _Usage(explain(exc, " ".join(lines))) from None
+        plan, findings = analyse_any(config)
+        job = i if args.multirun else None
+        status = max(status, report(config, plan, findings, overrides=lines, job=job))
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a.startswith("maxtext_config=") for a in argv):
-        return maxtext_main(argv)
-    message = precheck(argv)
-    if message:
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_USAGE
-    register_schema()
-    job = _Job()
-    app = hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")(job)
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "selector", *argv]
     try:
-        app()
-    except SystemExit as exc:  # Hydra's own failures (after our precheck) and --help
-        if exc.code not in (0, None):
-            return EXIT_USAGE
-    finally:
-        sys.argv = saved
-    return job.status
+        return run(sys.argv[1:] if argv is None else argv)
+    except _Usage as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def entry() -> None:

@@ -4,6 +4,7 @@ dataclasses once, and read a live jax mesh without importing jax."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from .config import Config
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from .config import AxisRules, Config, Hardware
+from .findings import ConfigError, error
 
 SCHEMA_NAME = "base_config"
 
@@ -36,8 +41,62 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
 
 
+_FIELDS = {f.name for f in dataclasses.fields(Config)}
+GROUPS = ("model", "mesh", "hardware")  # config groups: `model=tiny` picks a preset
+
+
+def valid_keys() -> list[str]:
+    """Every setting a user may give: the schema's fields, nested ones and the groups."""
+    nested = {f"hardware.{f.name}" for f in dataclasses.fields(Hardware)}
+    nested |= {f"axis_rules.{f.name}" for f in dataclasses.fields(AxisRules)}
+    return sorted(_FIELDS | nested | set(GROUPS))
+
+
+def close_keys(key: str, cutoff: float = 0.6) -> list[str]:
+    return difflib.get_close_matches(key, valid_keys(), n=3, cutoff=cutoff)
+
+
+def unknown_setting(key: str, where: str = "") -> ConfigError:
+    """ConfigError for a key the schema does not have, with the closest real keys."""
+    close = close_keys(key)
+    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    return ConfigError(
+        [
+            error(
+                "UNKNOWN_SETTING",
+                key,
+                f"Unknown setting {key!r}{where}: nothing would read it.{hint} Settings use "
+                "MaxText's spelling; `python -m selector --cfg job` lists every key.",
+            )
+        ]
+    )
+
+
+def _override_key(line: str) -> str:
+    return line.split("=", 1)[0].lstrip("+~")
+
+
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose the packaged config with Hydra overrides; works from any directory."""
+    """Compose the packaged config with Hydra overrides; works from any directory.
+
+    A key the schema does not have is a ConfigError (UNKNOWN_SETTING) with the
+    closest real keys, whether it is set plainly or added with Hydra's `+`/`++`.
+    """
+    for line in overrides:
+        key = _override_key(line)
+        if line.startswith("+") and key.split(".")[0] not in GROUPS:
+            if key in valid_keys():
+                raise ConfigError(
+                    [
+                        error(
+                            "OVERRIDE_INVALID",
+                            key,
+                            f"Override {line!r}: {key!r} is already a setting, and Hydra's '+' "
+                            f"adds a new key. Write {line.lstrip('+')} instead.",
+                        )
+                    ]
+                )
+            raise unknown_setting(key, f" (override {line!r})")
     register_schema()
     hydra_global = GlobalHydra.instance()
     outer = None
@@ -46,25 +105,50 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         hydra_global.clear()
     try:
         with initialize_config_dir(version_base=None, config_dir=str(conf_dir())):
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            try:
+                cfg = hydra_compose(config_name="config", overrides=list(overrides))
+            except (HydraException, OmegaConfBaseException) as exc:
+                key = _missing_key(exc, overrides)
+                if key is not None:
+                    raise unknown_setting(key) from None
+                raise
     finally:
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
+    extra = sorted(set(cfg.keys()) - _FIELDS)
+    if extra:
+        raise unknown_setting(extra[0])
+    return cfg
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Config)}
+def _missing_key(exc: BaseException, overrides: Sequence[str]) -> str | None:
+    """The override key Hydra could not find in the schema, if that is the failure."""
+    text = str(exc) + " " + str(getattr(exc, "__cause__", "") or "")
+    if "not in struct" not in text and "Could not override" not in text:
+        return None
+    for line in overrides:
+        key = _override_key(line)
+        if f"'{key}'" in text or key in text.split():
+            return key
+    return None
 
 
-def to_config(cfg: Any) -> Config:
+def to_config(cfg: Any, *, others: str = "error") -> Config:
     """A typed Config from a Config, a DictConfig or a plain mapping.
 
-    Keys that are not Config fields (a user's own training keys, Hydra's node) are
-    ignored; known keys are type-checked against the schema.
+    Keys that are not settings raise ConfigError (UNKNOWN_SETTING) with a did-you-mean.
+    `others="misspellings"` is for a node that also holds an app's own keys (the root of
+    a training config): only keys that look like a misspelled setting are errors.
     """
     if isinstance(cfg, Config):
         return cfg
     if not isinstance(cfg, (DictConfig, Mapping)):
         raise TypeError(f"expected a Config, DictConfig or mapping, got {type(cfg).__name__}")
+    for key in cfg.keys():
+        if key in _FIELDS or key in GROUPS:
+            continue
+        if others == "error" or close_keys(str(key), cutoff=0.85):
+            raise unknown_setting(str(key))
     # Read only our keys: resolving the whole node would also resolve a
     # `${moe_dispatch:}` that sits in it and asks for this very conversion.
     known = {k: cfg[k] for k in cfg.keys() if k in _FIELDS}

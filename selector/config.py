@@ -56,6 +56,21 @@ class ExpertGroup(str, enum.Enum):
     expert_and_sequence = "expert_and_sequence"  # plus every sequence axis (cp folded)
 
 
+class ScoreFunc(str, enum.Enum):
+    """How router logits become expert scores (MaxText's routed_score_func)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"  # DeepSeek-V3: independent scores, renormalised over the top-k
+
+
+class CapacityRounding(str, enum.Enum):
+    """Per-subgroup capacity formula: ours, max(1, ceil(g k / E x cf)), or MaxText's,
+    int(max(ceil(g k / E) x cf, cf)) (measured on MaxText 0.2.5)."""
+
+    ours = "ours"
+    maxtext = "maxtext"
+
+
 class OutputFormat(str, enum.Enum):
     text = "text"
     json = "json"
@@ -70,6 +85,8 @@ class Hardware:
     memory_gib: float = 16.0  # per device
     peak_bf16_tflops: float = 1.0  # per device
     hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
+    ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
+    dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
 
 
 @dataclass
@@ -115,9 +132,30 @@ class Config:
     num_experts: int = 8
     num_experts_per_tok: int = 2
     capacity_factor: float = -1.0  # <= 0: dropless
-    norm_topk_prob: bool = True
+    capacity_rounding: CapacityRounding = CapacityRounding.ours
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    # Routing of MaxText's shipped MoE models (DeepSeek-V3: sigmoid scores, a routed bias
+    # for aux-loss-free balancing that steers selection only, group-limited top-k, a
+    # scaling of the combine weights).
+    routed_score_func: ScoreFunc = ScoreFunc.softmax
+    routed_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    n_routing_groups: int = -1  # -1: no group limit
+    topk_routing_group: int = -1  # groups a token may pick its experts from
+    # Shared experts every token goes through (a SwiGLU of shared_experts x
+    # base_moe_mlp_dim), optionally scaled by a sigmoid gate (Qwen3-Next).
+    shared_experts: int = 0
+    shared_expert_gate: bool = False
     dtype: str = "bfloat16"  # compute dtype (MaxText's dtype)
     param_dtype: str = "float32"  # dtype the weights are stored in (MaxText's weight_dtype)
+
+    # Layers (MaxText names): how many MoE blocks the model has, for the memory that
+    # weights, gradients and optimizer state hold at rest across the whole model.
+    base_num_decoder_layers: int = 1
+    first_num_dense_layers: int = 0
+    interleave_moe_layer_step: int = 1  # every n-th decoder layer is an MoE layer
+    # Optimizer state per parameter (Adam: two float32 moments). 0 when not training.
+    optimizer_bytes_per_param: float = 8.0
 
     # Batch and sequence.
     per_device_batch_size: float = 1.0
@@ -158,12 +196,33 @@ class Config:
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)
 
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE blocks in the model: the decoder layers after the dense ones, every
+        interleave_moe_layer_step-th one."""
+        step = max(self.interleave_moe_layer_step, 1)
+        return max(0, self.base_num_decoder_layers - self.first_num_dense_layers) // step
+
     def parallelism(self, tier: str, axis: str) -> int:
         """The `{tier}_{axis}_parallelism` knob, tier in {ici, dcn}."""
         return getattr(self, f"{tier}_{axis}_parallelism")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
+
+    def apply(self, overrides) -> Config:
+        """This config with (key, value) overrides; `group.name` sets a nested field."""
+        top: dict = {}
+        nested: dict[str, dict] = {}
+        for key, value in overrides:
+            group, _, name = key.partition(".")
+            if name:
+                nested.setdefault(group, {})[name] = value
+            else:
+                top[key] = value
+        for group, changes in nested.items():
+            top[group] = dataclasses.replace(getattr(self, group), **changes)
+        return dataclasses.replace(self, **top)
 
 
 # Compute dtypes the layers run in, and storage dtypes they can hold weights in (a

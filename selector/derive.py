@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .config import Config, Mode
+from .config import CapacityRounding, Config, Mode
 from .mesh import MeshView
 
 _EPS = 1e-9
@@ -41,10 +41,24 @@ class PerDevice:
         return asdict(self)
 
 
-def capacity(sub_seq: float, k: int, num_experts: int, capacity_factor: float) -> int | None:
-    """Per-subgroup expert capacity ceil(sub_seq * k / E * capacity_factor)."""
+def capacity(
+    sub_seq: float,
+    k: int,
+    num_experts: int,
+    capacity_factor: float,
+    rounding: CapacityRounding = CapacityRounding.ours,
+) -> int | None:
+    """Per-subgroup expert capacity; None when dropless (capacity_factor <= 0).
+
+    ours: max(1, ceil(sub_seq k / E x cf)). maxtext (MaxText 0.2.5's
+    generate_masks_subgroup): int(max(ceil(sub_seq k / E) x cf, cf)), which truncates,
+    so it can be 0 (every assignment dropped) when cf < 1.
+    """
     if capacity_factor <= 0:
         return None
+    if rounding is CapacityRounding.maxtext:
+        per_expert = math.ceil(sub_seq * k / num_experts - _EPS)
+        return int(max(per_expert * capacity_factor, capacity_factor))
     return max(1, math.ceil(sub_seq * k / num_experts * capacity_factor - _EPS))
 
 
@@ -72,7 +86,9 @@ def per_device(cfg: Config, mesh: MeshView) -> PerDevice:
         seq_len=seq_len,
         sub_seq=sub_seq,
         tokens_per_device=tokens,
-        capacity_per_subgroup=capacity(sub_seq, k, experts, cfg.capacity_factor),
+        capacity_per_subgroup=capacity(
+            sub_seq, k, experts, cfg.capacity_factor, cfg.capacity_rounding
+        ),
         expected_tokens_per_expert=sub_seq * k / experts,
         gmm_rows=tokens * k,
     )

@@ -8,11 +8,45 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class Severity(str, enum.Enum):
     error = "error"
     warning = "warning"
+
+
+def render_value(value: Any) -> str:
+    """A value as a command-line override spells it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(render_value(v) for v in value) + "]"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Fix:
+    """Overrides that, applied together, make a finding go away (checked before it is
+    offered: the selector re-analyses the fixed config)."""
+
+    overrides: tuple[tuple[str, Any], ...]
+    note: str = ""  # what the fix changes besides the finding (e.g. the global batch)
+
+    def render(self) -> str:
+        return " ".join(f"{k}={render_value(v)}" for k, v in self.overrides)
+
+    def text(self) -> str:
+        return f"{self.render()} ({self.note})" if self.note else self.render()
+
+
+def fix(note: str = "", **overrides: Any) -> Fix:
+    """A Fix from keyword overrides; nested keys use '__' (axis_rules__sequence)."""
+    return Fix(tuple((k.replace("__", "."), v) for k, v in overrides.items()), note)
 
 
 @dataclass(frozen=True)
@@ -21,6 +55,8 @@ class Finding:
     severity: Severity
     setting: str  # the knob to change
     message: str  # one paragraph: what, the numbers, the fix
+    fixes: tuple[Fix, ...] = ()  # verified overrides, each removing this finding
+    tail: str = ""  # advice after the fixes (appended to the message once verified)
 
     def __str__(self) -> str:
         return f"[{self.severity.value}] {self.code} ({self.setting}): {self.message}"
@@ -31,15 +67,25 @@ class Finding:
             "severity": self.severity.value,
             "setting": self.setting,
             "message": self.message,
+            "fixes": [f.render() for f in self.fixes],
         }
 
+    def with_fixes(self, verified: tuple[Fix, ...]) -> Finding:
+        """The finding with only the verified fixes, spelled out in its message."""
+        text = self.message
+        if verified:
+            text += " Fix: " + "; or ".join(f.text() for f in verified) + "."
+        if self.tail:
+            text += " " + self.tail
+        return Finding(self.code, self.severity, self.setting, text, verified)
 
-def error(code: str, setting: str, message: str) -> Finding:
-    return Finding(code, Severity.error, setting, message)
+
+def error(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:
+    return Finding(code, Severity.error, setting, message, tuple(fixes), tail)
 
 
-def warning(code: str, setting: str, message: str) -> Finding:
-    return Finding(code, Severity.warning, setting, message)
+def warning(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:
+    return Finding(code, Severity.warning, setting, message, tuple(fixes), tail)
 
 
 def errors_in(findings) -> list[Finding]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,12 +20,21 @@ from .policy import candidates_for, choose, exchange_backend, exchange_candidate
 @dataclass(frozen=True)
 class Candidate:
     estimate: Estimate
+    placement: WeightPlacement
     verdict: str
     chosen: bool
 
     @property
     def strategy(self) -> Dispatch:
         return self.estimate.strategy
+
+    @property
+    def exchange(self) -> Exchange:
+        return self.estimate.exchange
+
+    @property
+    def name(self) -> str:
+        return self.estimate.name
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,10 @@ class DispatchPlan:
     def chosen_estimate(self) -> Estimate:
         return next(c.estimate for c in self.candidates if c.chosen)
 
+    def candidate(self, strategy: Dispatch, exchange: Exchange = Exchange.gather) -> Candidate:
+        """The candidate for one (dispatch, exchange) pair."""
+        return next(c for c in self.candidates if (c.strategy, c.exchange) == (strategy, exchange))
+
     def as_dict(self) -> dict:
         return {
             "strategy": self.strategy.value,
@@ -84,7 +98,12 @@ class DispatchPlan:
             "mesh": self.mesh.as_dict(),
             "per_device": self.per_device.as_dict(),
             "candidates": [
-                {**c.estimate.as_dict(), "verdict": c.verdict, "chosen": c.chosen}
+                {
+                    **c.estimate.as_dict(),
+                    "placement": c.placement.as_dict(),
+                    "verdict": c.verdict,
+                    "chosen": c.chosen,
+                }
                 for c in self.candidates
             ],
             "findings": [f.as_dict() for f in self.findings],
@@ -94,7 +113,37 @@ class DispatchPlan:
 def analyse(
     cfg: Config, live_shape: Mapping[str, int] | None = None
 ) -> tuple[DispatchPlan | None, list[Finding]]:
-    """Every finding, and the plan when the config is complete enough to build one."""
+    """Every finding, and the plan when the config is complete enough to build one.
+
+    A finding offers only fixes that work: each proposed set of overrides is applied
+    and the config analysed again; it is kept when this finding is gone and no error
+    appears that was not there before."""
+    plan, findings = _analyse(cfg, live_shape)
+    findings = [_verified(cfg, live_shape, f, findings) for f in findings]
+    if plan is not None:
+        plan = dataclasses.replace(plan, findings=tuple(findings))
+    return plan, findings
+
+
+def _verified(cfg: Config, live_shape, finding: Finding, before: list[Finding]) -> Finding:
+    old_errors = {f.code for f in errors_in(before)}
+    good = []
+    for fix in finding.fixes:
+        try:
+            fixed = cfg.apply(fix.overrides)
+        except (TypeError, ValueError):
+            continue
+        _, after = _analyse(fixed, live_shape)
+        new_errors = {f.code for f in errors_in(after)} - old_errors
+        if finding.code not in {f.code for f in after} and not new_errors:
+            good.append(fix)
+    return finding.with_fixes(tuple(good))
+
+
+def _analyse(
+    cfg: Config, live_shape: Mapping[str, int] | None
+) -> tuple[DispatchPlan | None, list[Finding]]:
+    """analyse without checking the proposed fixes."""
     findings: list[Finding] = []
     for rule in rules.SETTINGS_RULES:
         findings += rule(cfg)
@@ -116,16 +165,26 @@ def analyse(
     for rule in rules.LAYOUT_RULES:
         findings += rule(cfg, mesh, dev)
 
-    estimates = {s: estimate(s, cfg, mesh, dev) for s in candidates_for(cfg)}
-    strategy, reason, verdicts = choose(cfg, estimates)
+    placements = {
+        (s, ex): place
+        for s in candidates_for(cfg)
+        for ex, place in exchange_candidates(cfg, mesh, s).items()
+    }
+    if not placements:  # nothing can honour expert_exchange: gather, and say so below
+        gather = cfg.replace(expert_exchange=Exchange.gather)
+        placements = {
+            (s, ex): place
+            for s in candidates_for(cfg)
+            for ex, place in exchange_candidates(gather, mesh, s).items()
+        }
+    estimates = {k: estimate(k[0], place, cfg, mesh, dev) for k, place in placements.items()}
+    (strategy, exchange), reason, verdicts = choose(cfg, estimates)
+    chosen = estimates[(strategy, exchange)]
     findings += rules.capacity_settings(cfg, dev, strategy)
     findings += rules.capacity_too_small(cfg, dev, strategy)
-    findings += rules.memory_fits(cfg, dev, strategy, estimates[strategy])
-    options = exchange_candidates(cfg, mesh, strategy)
-    placement = options[Exchange.gather]
-    if cfg.expert_exchange is Exchange.all_to_all:
-        placement = options.get(Exchange.all_to_all, placement)
-    findings += rules.exchange_settings(cfg, mesh, strategy, options)
+    findings += rules.capacity_costly(cfg, strategy, chosen, estimates)
+    findings += rules.memory_fits(cfg, dev, chosen)
+    findings += rules.exchange_settings(cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy))
 
     plan = DispatchPlan(
         strategy=strategy,
@@ -134,11 +193,12 @@ def analyse(
         mesh=mesh,
         per_device=dev,
         candidates=tuple(
-            Candidate(est, verdicts[s], s is strategy) for s, est in estimates.items()
+            Candidate(est, placements[k], verdicts[k], k == (strategy, exchange))
+            for k, est in estimates.items()
         ),
         findings=tuple(findings),
         gmm_backend=gmm_backend(cfg),
-        placement=placement,
+        placement=placements[(strategy, exchange)],
         exchange_backend=exchange_backend(cfg),
     )
     return plan, findings

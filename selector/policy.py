@@ -1,16 +1,19 @@
-"""The auto policy: which dispatch to run, and why each candidate won or lost.
+"""The auto policy: which dispatch to run, how expert weights meet the tokens, and why
+each candidate won or lost. A candidate is a (dispatch, exchange) pair.
 
 1. One expert: a plain MLP (nothing to route).
 2. A candidate is rejected when it breaks the requested token semantics
    (capacity_factor <= 0 asks for dropless routing, which rules out the capacity path)
-   or when its estimated per-device memory does not fit the hardware.
+   or when what a device would hold does not fit the hardware.
 3. capacity_factor > 0 asks for capacity-limited routing: subgroup_capacity honours
-   it, so it wins when it fits.
-4. Otherwise the dropless candidate with the lowest estimated time wins (megablox for
-   long sequences; dense when tokens are so few that per-expert tile padding in the
-   grouped matmul costs more than running every expert).
-5. If nothing fits, the smallest-memory candidate is chosen and MEMORY_EXCEEDED says so.
-An explicit `dispatch=` is always honoured (and validated).
+   it, so it wins when it fits (CAPACITY_COSTLY says when that is far dearer than the
+   dropless choice).
+4. Otherwise the dropless candidate with the lowest estimated time wins: compute,
+   HBM traffic (activations and the expert weights read) and network traffic (weights
+   gathered, or routed rows exchanged).
+5. If nothing fits, the candidate holding the least is chosen and MEMORY_EXCEEDED
+   says so.
+An explicit `dispatch=` or `expert_exchange=` is always honoured (and validated).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .mesh import MeshView
 from .placement import WeightPlacement, exchanged, expert_group, gathered
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
+Key = tuple[Dispatch, Exchange]
 
 
 def candidates_for(cfg: Config) -> tuple[Dispatch, ...]:
@@ -28,74 +32,6 @@ def candidates_for(cfg: Config) -> tuple[Dispatch, ...]:
     if cfg.num_experts == 1 or cfg.dispatch is Dispatch.mlp:
         return (Dispatch.mlp,) + ROUTED
     return ROUTED
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def choose(cfg: Config, estimates: dict[Dispatch, Estimate]) -> tuple[Dispatch, str, dict]:
-    """(strategy, why it won, {candidate: verdict})."""
-    verdicts: dict[Dispatch, str] = {}
-    limit = cfg.hardware.memory_gib * 2**30
-    if cfg.dispatch is not Dispatch.auto:
-        chosen = cfg.dispatch
-        for s in estimates:
-            verdicts[s] = "requested" if s is chosen else "not requested"
-        return chosen, f"requested explicitly with dispatch={chosen.value}", verdicts
-
-    if cfg.num_experts == 1:
-        for s in estimates:
-            verdicts[s] = "chosen" if s is Dispatch.mlp else "one expert: nothing to route"
-        return Dispatch.mlp, "num_experts=1: a plain SwiGLU MLP, nothing to route", verdicts
-
-    allowed, feasible = [], []
-    for s, est in estimates.items():
-        if s is Dispatch.subgroup_capacity and cfg.capacity_factor <= 0:
-            verdicts[s] = "drops tokens, but capacity_factor <= 0 asks for dropless"
-            continue
-        allowed.append(s)
-        if not est.fits:
-            verdicts[s] = f"needs {_gib(est.memory_bytes)} > {_gib(limit)}"
-        else:
-            feasible.append(s)
-
-    if not feasible:
-        chosen = min(allowed, key=lambda s: estimates[s].memory_bytes)
-        verdicts[chosen] = "chosen: smallest memory, still too large"
-        return chosen, "no candidate fits in memory; the smallest is shown", verdicts
-
-    if cfg.capacity_factor > 0 and Dispatch.subgroup_capacity in feasible:
-        chosen = Dispatch.subgroup_capacity
-        reason = (
-            f"capacity_factor={cfg.capacity_factor:g} asks for capacity-limited routing; "
-            "subgroup_capacity applies it per sequence shard and keeps the sequence sharded"
-        )
-        for s in feasible:
-            if s is not chosen:
-                verdicts[s] = "dropless: would ignore capacity_factor"
-    else:
-        dropless = [s for s in feasible if s is not Dispatch.subgroup_capacity]
-        chosen = min(dropless, key=lambda s: estimates[s].time_s)
-        runner_up = [s for s in dropless if s is not chosen]
-        reason = f"fastest dropless dispatch that fits ({estimates[chosen].time_s * 1e3:.3g} ms"
-        if runner_up:
-            other = min(runner_up, key=lambda s: estimates[s].time_s)
-            reason += f" vs {other.value} {estimates[other].time_s * 1e3:.3g} ms"
-        reason += " estimated per layer step)"
-        for s in feasible:
-            if s is not chosen:
-                verdicts[s] = "slower (estimated)"
-    verdicts[chosen] = "chosen"
-    return chosen, reason, verdicts
-
-
-def gmm_backend(cfg: Config) -> str:
-    """Grouped-matmul backend for the megablox dispatch, by platform."""
-    return {
-        "tpu": "pallas_megablox",  # jax.experimental.pallas.ops.tpu.megablox
-        "gpu": "ragged_dot",  # XLA's native grouped matmul on GPU
-    }.get(cfg.hardware.platform, "tiled_gmm")  # ours: pure JAX, custom VJP
 
 
 def exchange_backend(cfg: Config) -> str:
@@ -116,11 +52,117 @@ def fold_sequence(cfg: Config, mesh: MeshView) -> bool:
 def exchange_candidates(
     cfg: Config, mesh: MeshView, strategy: Dispatch
 ) -> dict[Exchange, WeightPlacement]:
-    """The placements the block can run for `strategy`: always gathered; exchanged for
-    megablox when some token axis can form an expert group."""
+    """The placements the block can run for `strategy` (an explicit expert_exchange
+    narrows them): gathered always; exchanged for megablox when some token axis forms
+    an expert group that splits num_experts evenly."""
     options = {Exchange.gather: gathered(mesh, cfg.num_experts)}
     if strategy is Dispatch.megablox:
         ep = exchanged(mesh, cfg.num_experts, fold_sequence(cfg, mesh))
-        if ep.group_axes:
+        if ep.group_axes and ep.experts_per_device:
             options[Exchange.all_to_all] = ep
+    if cfg.expert_exchange in options:
+        return {cfg.expert_exchange: options[cfg.expert_exchange]}
+    if cfg.expert_exchange is not Exchange.auto and cfg.dispatch is Dispatch.auto:
+        return {}  # auto looks only at dispatches that can honour the requested exchange
     return options
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.3g} GiB"
+
+
+def _name(key: Key) -> str:
+    strategy, exchange = key
+    if strategy is Dispatch.megablox:
+        return f"megablox/{exchange.value}"
+    return strategy.value
+
+
+def _why_faster(est: Estimate) -> str:
+    compute, hbm, network = est.time_parts
+    return (
+        f"{est.time_s * 1e3:.3g} ms: compute {compute * 1e3:.3g}, HBM {hbm * 1e3:.3g}, "
+        f"network {network * 1e3:.3g}"
+    )
+
+
+def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[Key, str]]:
+    """(chosen candidate, why it won, {candidate: verdict})."""
+    verdicts: dict[Key, str] = {}
+    limit = cfg.hardware.memory_gib * 2**30
+    keys = list(estimates)
+    if cfg.dispatch is not Dispatch.auto:
+        keys = [k for k in keys if k[0] is cfg.dispatch]
+        for k in estimates:
+            if k[0] is not cfg.dispatch:
+                verdicts[k] = "not requested"
+    if cfg.num_experts == 1 and cfg.dispatch is Dispatch.auto:
+        for k in estimates:
+            verdicts[k] = "one expert: nothing to route"
+        keys = [k for k in keys if k[0] is Dispatch.mlp]
+        chosen = keys[0]
+        verdicts[chosen] = "chosen"
+        return chosen, "num_experts=1: a plain SwiGLU MLP, nothing to route", verdicts
+
+    allowed, feasible = [], []
+    for k in keys:
+        est = estimates[k]
+        if k[0] is Dispatch.subgroup_capacity and cfg.capacity_factor <= 0 and len(keys) > 1:
+            verdicts[k] = "drops tokens, but capacity_factor <= 0 asks for dropless"
+            continue
+        allowed.append(k)
+        if not est.fits:
+            verdicts[k] = f"needs {_gib(est.device_bytes)} > {_gib(limit)}"
+        else:
+            feasible.append(k)
+    if not allowed:
+        allowed = keys
+
+    if not feasible:
+        chosen = min(allowed, key=lambda k: estimates[k].device_bytes)
+        verdicts[chosen] = "chosen: holds the least, still too much"
+        return chosen, "no candidate fits in memory; the one holding the least is shown", verdicts
+
+    capacity = [k for k in feasible if k[0] is Dispatch.subgroup_capacity]
+    if cfg.dispatch is not Dispatch.auto:
+        chosen = min(feasible, key=lambda k: estimates[k].time_s)
+        reason = f"requested explicitly with dispatch={cfg.dispatch.value}"
+        others = [k for k in feasible if k != chosen]
+        if others:
+            other = min(others, key=lambda k: estimates[k].time_s)
+            reason += (
+                f"; weights {chosen[1].value} ({_why_faster(estimates[chosen])}) beat "
+                f"{other[1].value} ({_why_faster(estimates[other])})"
+            )
+        for k in others:
+            verdicts[k] = "slower (estimated)"
+    elif cfg.capacity_factor > 0 and capacity:
+        chosen = capacity[0]
+        reason = (
+            f"capacity_factor={cfg.capacity_factor:g} asks for capacity-limited routing; "
+            "subgroup_capacity applies it per sequence shard and keeps the sequence sharded"
+        )
+        for k in feasible:
+            if k != chosen:
+                verdicts[k] = "dropless: would ignore capacity_factor"
+    else:
+        dropless = [k for k in feasible if k[0] is not Dispatch.subgroup_capacity] or feasible
+        chosen = min(dropless, key=lambda k: estimates[k].time_s)
+        reason = f"fastest dropless candidate that fits ({_why_faster(estimates[chosen])})"
+        runner_up = [k for k in dropless if k != chosen]
+        if runner_up:
+            other = min(runner_up, key=lambda k: estimates[k].time_s)
+            reason += f"; next: {_name(other)} ({_why_faster(estimates[other])})"
+        for k in feasible:
+            if k != chosen:
+                verdicts[k] = "slower (estimated)"
+    verdicts[chosen] = "chosen"
+    return chosen, reason, verdicts
+
+
+def gmm_backend(cfg: Config) -> str:
+    """Grouped-matmul backend for the megablox dispatch, by platform."""
+    return {
+        "tpu": "pallas_megablox",  # jax.experimental.pallas.ops.tpu.megablox
+        "gpu": "ragged_dot",  # XLA's native grouped matmul on GPU
+    }.get(cfg.hardware.platform, "tiled_gmm")  # ours: pure JAX, custom VJP

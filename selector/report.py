@@ -55,23 +55,29 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
                 else "dropless (capacity_factor <= 0)"
             ),
             "",
-            "Candidates (per device, one MoE layer, one step)",
-            f"  {'strategy':<18} {'TFLOP':>9} {'act GiB':>9} {'wts GiB':>9} {'est ms':>9}"
-            f" {'fits':>5}  verdict",
+            "Candidates (per device, one MoE layer, one step; device = every MoE layer's",
+            "state at rest + this block's peak)",
+            f"  {'candidate':<21} {'TFLOP':>7} {'block GiB':>9} {'device GiB':>10}"
+            f" {'network GB':>10} {'est ms':>8} {'fits':>5}  verdict",
         ]
         for c in plan.candidates:
             e = c.estimate
             mark = "*" if c.chosen else " "
             lines.append(
-                f"{mark} {e.strategy.value:<18} {e.flops / 1e12:>9.3g} "
-                f"{e.activation_bytes / 2**30:>9.3g} {e.weight_bytes / 2**30:>9.3g} "
-                f"{e.time_s * 1e3:>9.3g} {'yes' if e.fits else 'NO':>5}  {c.verdict}"
+                f"{mark} {c.name:<21} {e.flops / 1e12:>7.3g} {e.memory.peak / 2**30:>9.3g} "
+                f"{e.device_bytes / 2**30:>10.3g} {e.traffic.network / 1e9:>10.3g} "
+                f"{e.time_s * 1e3:>8.3g} {'yes' if e.fits else 'NO':>5}  {c.verdict}"
             )
         lines += [
             "",
-            f"Choice: {plan.strategy.value}"
+            f"Choice: {plan.chosen_estimate.name}"
             + (
-                f" (grouped matmul: {plan.gmm_backend})"
+                f" (grouped matmul: {plan.gmm_backend}"
+                + (
+                    f"; rows exchanged by {plan.exchange_backend})"
+                    if plan.placement.group_axes
+                    else ")"
+                )
                 if plan.strategy.value == "megablox"
                 else ""
             ),

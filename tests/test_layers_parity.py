@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from layer_helpers import assert_close, build, inputs, loss_and_grads
 
-from layers.reference import reference_keep, reference_moe
+from layers.reference import reference_choices, reference_keep, reference_moe
 
 BATCH, SEQ = 8, 32
 STRATEGIES = ["dense", "megablox", "subgroup_capacity"]
@@ -29,10 +29,11 @@ REPLICATED_AT_REST = {"data8"}
 
 def reference_grads(model, x, cot, cp):
     spec, w = model.spec, model.weights()
-    keep = reference_keep(w, x, spec, cp)
+    ids = reference_choices(w, x, spec)
+    keep = reference_keep(w, x, spec, cp, ids)
 
     def loss(w, x):
-        y, _ = reference_moe(w, x, spec, keep)
+        y, _ = reference_moe(w, x, spec, keep, ids)
         return jnp.sum(y * cot), y
 
     (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
@@ -106,10 +107,11 @@ def test_bfloat16_block_matches_float32_reference(jax_cpu8, strategy):
     y, stats, gw, gx = loss_and_grads(model, x, cot)
     assert gw.wi_0_EMH.dtype == jnp.bfloat16
     w32 = jax.tree.map(lambda a: a.astype(jnp.float32), model.weights())
-    spec, keep = model.spec, reference_keep(w32, x, model.spec, 4)
+    spec, ids = model.spec, reference_choices(w32, x, model.spec)
+    keep = reference_keep(w32, x, spec, 4, ids)
 
     def loss(w, x):
-        y, _ = reference_moe(w, x, spec, keep)
+        y, _ = reference_moe(w, x, spec, keep, ids)
         return jnp.sum(y * cot), y
 
     (_, ry), (rgw, rgx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w32, x)

@@ -14,8 +14,8 @@ def test_qwen3_next_layer_is_created_sharded_on_64_devices():
         assert p["abstract_spec"] == p["layout_spec"], name
     shards = sum(p["shard_bytes"] for p in params.values())
     full = sum(p["full_bytes"] for p in params.values())
-    assert params["wi_0"]["full_bytes"] == 512 * 2048 * 512 * 4
-    assert params["wi_0"]["shard_bytes"] * 64 == params["wi_0"]["full_bytes"]
+    assert params["wi_0_EMH"]["full_bytes"] == 512 * 2048 * 512 * 4
+    assert params["wi_0_EMH"]["shard_bytes"] * 64 == params["wi_0_EMH"]["full_bytes"]
     # Each device creates exactly its shards (XLA pads small buffers to its alignment).
     assert 0 <= probe["output_bytes"] - shards <= 64 * len(params)
     assert probe["output_bytes"] + probe["temp_bytes"] <= 4 * shards

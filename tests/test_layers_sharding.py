@@ -135,10 +135,11 @@ def test_block_places_its_parameters_without_a_replica(jax_cpu8):
 
     model = build("megablox", {"fsdp": 2, "context": 2, "tensor": 2}, 4, 64)
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
-    for name, want in model.layout.param_specs().items():
-        owner = model.gate if name == "gate.kernel" else model
-        value = getattr(owner, name.split(".")[-1])[...]
-        assert value.sharding.spec == want, name
+    weights = model.weights()
+    names, _, shardings = model.param_layout()
+    for name, want in zip(names, shardings, strict=True):
+        value = getattr(weights, name)
+        assert value.sharding.spec == want.spec, name
         assert not value.sharding.is_fully_replicated
     assert specs["wi_0"].get_value() == model.layout.w_EMH
     assert np.all(np.isfinite(np.asarray(jax.device_get(model.wo[...]))))

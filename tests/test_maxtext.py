@@ -1,4 +1,6 @@
-"""The MaxText route: base_config chains, model files, overrides, MaxText findings."""
+"""The MaxText route on MaxText's own files (the maxtext 0.2.5 wheel's configs/, fetched
+at test time): every shipped MoE model config, MaxText's hardware and num_slices
+meanings, overrides that must exist, facts about MaxText stated as measured."""
 
 import json
 import subprocess
@@ -9,153 +11,214 @@ import pytest
 from helpers import codes
 
 import selector
+from selector import ScoreFunc
 from selector.cli import main
 
-FIXTURES = Path(__file__).parent / "fixtures" / "maxtext"
-BASE = str(FIXTURES / "base.yml")
-CUSTOM = str(FIXTURES / "custom.yml")
 REPORTED = [
-    "model_name=qwen3-next-like",
+    "model_name=qwen3-next-80b-a3b",
     "ici_context_parallelism=4",
     "per_device_batch_size=1",
     "max_target_length=8192",
     "num_devices=8",
 ]
+# What a shipped model may rightly be told on 256 chips with base.yml's batch: it does
+# not fit, its dims do not split over 256 fsdp devices, our block's routing is not
+# MaxText's for it, or its own axis rules give the expert axis to two weight dims
+# (deepseek3-671b-2dfsdp: mlp_moe takes 'expert', so flax leaves the expert dim
+# unsharded). Nothing may come from base.yml's own defaults.
+MODEL_FINDINGS = {
+    "MEMORY_EXCEEDED",
+    "EMBED_NOT_DIVISIBLE",
+    "MAXTEXT_ROUTING_NOT_IN_BLOCK",
+    "MAXTEXT_AXIS_USED_TWICE",
+}
 
 
-def test_base_plus_model_file_by_model_name():
-    imported = selector.from_maxtext(BASE, ["model_name=qwen3-next-like", "num_devices=8"])
-    cfg = imported.config
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim) == (512, 10, 512)
-    assert cfg.per_device_batch_size == 12.0  # from the base file
-    assert imported.files[-1].endswith("models/qwen3-next-like.yml")
-    assert "decoder_block" in imported.ignored and "steps" in imported.ignored
+@pytest.fixture(scope="module")
+def base(maxtext_dir) -> str:
+    return str(maxtext_dir / "configs" / "base.yml")
 
 
-def test_base_config_chain_overrides_and_unknown_key():
-    imported = selector.from_maxtext(CUSTOM, ["num_devices=8", "max_target_length=4096"])
-    cfg = imported.config
-    assert imported.files[0].endswith("base.yml") and imported.files[1].endswith("custom.yml")
-    assert cfg.ici_context_parallelism == 4 and cfg.max_target_length == 4096  # override wins
-    assert cfg.num_experts == 512  # model_name from custom.yml selects the model file
-    assert cfg.dispatch is selector.Dispatch.subgroup_capacity  # sparse_matmul=false, cf>0
-    assert "some_future_key" in imported.ignored
-    plan = selector.resolve(cfg)
-    assert plan.cp == 4 and plan.per_device.tokens_per_device == 1024
-
-
-def test_logical_axis_rules_decide_the_roles(tmp_path):
-    (tmp_path / "run.yml").write_text(
-        f"base_config: {BASE}\n"
-        "logical_axis_rules: [['activation_batch', ['data']], "
-        "['activation_length', ['context']], ['exp', 'expert'], ['mlp', 'tensor']]\n"
+def moe_models(maxtext_dir) -> list[str]:
+    return sorted(
+        p.stem
+        for p in (maxtext_dir / "configs" / "models").glob("*.yml")
+        if "num_experts" in p.read_text()
     )
-    cfg = selector.from_maxtext(tmp_path / "run.yml", ["num_devices=8"]).config
-    assert cfg.axis_rules.batch == ["data"] and cfg.axis_rules.sequence == ["context"]
-    found = selector.validate(cfg)
-    # fsdp=8 now shards neither batch nor sequence, yet the embed rule rests weights on it
-    assert "AXIS_RULE_WEIGHTS_OFF_TOKENS" in codes(found)
 
 
-@pytest.mark.parametrize(
-    "overrides,code",
-    [
-        (["sparse_matmul=true", "capacity_factor=1.25"], "MAXTEXT_SPARSE_IGNORES_CAPACITY"),
-        (
-            ["sparse_matmul=true", "ici_context_parallelism=4", "per_device_batch_size=0.25"],
-            "MAXTEXT_FLATTEN_GATHERS_SEQUENCE",
-        ),
-        (
-            [
-                "sparse_matmul=false",
-                "capacity_factor=1.25",
-                "ici_context_parallelism=4",
-                "per_device_batch_size=0.25",
-            ],
-            "MAXTEXT_CAPACITY_OVER_FULL_SEQUENCE",
-        ),
-        (["ici_sequence_parallelism=2"], "MAXTEXT_AXIS_NOT_MODELLED"),
-    ],
-)
-def test_maxtext_findings(overrides, code):
-    imported = selector.from_maxtext(
-        BASE, ["model_name=qwen3-next-like", "num_devices=8", "max_target_length=8192", *overrides]
+def test_base_yml_alone_gives_no_finding(base):
+    imported = selector.from_maxtext(base, ["num_devices=8"])
+    plan, found = selector.api.analyse_any(imported.config)
+    assert plan is not None and imported.findings + found == []
+    assert any("hardware=tpu" in n for n in imported.notes)
+    assert any("num_slices=-1" in n for n in imported.notes)
+
+
+def test_every_shipped_moe_model_gives_a_plan(maxtext_dir, base):
+    models = moe_models(maxtext_dir)
+    assert len(models) == 35
+    seen = {}
+    for name in models:
+        imported = selector.from_maxtext(base, [f"model_name={name}", "num_devices=256"])
+        plan, found = selector.api.analyse_any(imported.config)
+        assert plan is not None, name
+        extra = codes(imported.findings + found) - MODEL_FINDINGS
+        assert not extra, (name, extra)
+        seen[name] = imported.config
+    # The routing each family runs in MaxText, mapped onto the block.
+    v3 = seen["deepseek3-671b"]
+    assert (v3.routed_score_func, v3.routed_bias, v3.routed_scaling_factor) == (
+        ScoreFunc.sigmoid, True, 2.5
     )
-    assert code in codes(imported.findings)
+    assert v3.norm_topk_prob and v3.shared_experts == 1 and not v3.shared_expert_gate
+    split = seen["deepseek3-671b-batchsplit"]
+    assert (split.n_routing_groups, split.topk_routing_group) == (8, 4)
+    v2 = seen["deepseek2-16b"]
+    assert v2.routed_score_func is ScoreFunc.softmax and not v2.norm_topk_prob
+    assert v2.shared_experts == 2
+    nxt = seen["qwen3-next-80b-a3b"]
+    assert nxt.shared_experts == 1 and nxt.shared_expert_gate and nxt.norm_topk_prob
+    assert seen["mixtral-8x7b"].norm_topk_prob  # MaxText's softmax over the top-k
+    assert seen["qwen3.5-35b-a3b-fp8"].param_dtype == "float8_e4m3fn"
 
 
-def test_maxtext_findings_near_misses():
-    quiet = selector.from_maxtext(
-        BASE,
-        [
-            "model_name=qwen3-next-like",
-            "num_devices=8",
-            "sparse_matmul=false",
-            "capacity_factor=1.25",
-            "ici_context_autoregressive_parallelism=4",
-            "per_device_batch_size=0.25",
-        ],
-    )
-    assert not codes(quiet.findings)  # the autoregressive axis is the one MaxText reads
-
-
-def test_reported_case_through_the_maxtext_route(capsys):
-    status = main([f"maxtext_config={BASE}", *REPORTED])
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "mixtral-8x7b"])
+def test_shipped_model_through_the_cli(base, name, capsys):
+    status = main([f"maxtext_config={base}", f"model_name={name}", "num_devices=256"])
     out = capsys.readouterr().out
-    assert status == 1
+    assert status == 0, out
+    assert "Ignored" in out and "Traceback" not in out
+
+
+def test_reported_case_reaches_the_inflation(base, capsys):
+    assert main([f"maxtext_config={base}", *REPORTED]) == 1
+    out = capsys.readouterr().out
     assert "LOCAL_BATCH_INFLATION" in out and "per_device_batch_size=0.25" in out
-    assert "Ignored" in out and "steps" in out
-    fixed = [
-        a if not a.startswith("per_device") else "per_device_batch_size=0.25" for a in REPORTED
+    assert "MESH_AXIS_INVALID" not in out and "is not a preset" not in out
+
+
+def test_hardware_keeps_maxtexts_meaning_and_chip_prices(base):
+    gpu = selector.from_maxtext(base, ["hardware=gpu", "num_devices=8"])
+    assert gpu.config.hardware.name == "h100"
+    h200 = selector.from_maxtext(base, ["hardware=gpu", "chip=h200", "num_devices=8"])
+    assert h200.config.hardware.name == "h200" and not any("chip=" in n for n in h200.notes[2:])
+    with pytest.raises(selector.MaxTextError, match="MaxText's platforms"):
+        selector.from_maxtext(base, ["hardware=v5p", "num_devices=8"])
+
+
+def test_num_slices_minus_one_is_understood(base):
+    cfg = selector.from_maxtext(base, ["num_devices=8"]).config
+    assert cfg.num_slices == 1
+    two = selector.from_maxtext(base, ["num_devices=16", "num_slices=2"]).config
+    assert selector.resolve(two).mesh.size("data") == 2  # dcn_data_parallelism=-1 fills it
+
+
+def test_maxtext_findings_read_the_resolved_mesh(base):
+    """cp comes from a -1 fill here; the capacity fact still fires."""
+    over = [
+        "model_name=mixtral-8x7b",
+        "sparse_matmul=false",
+        "capacity_factor=1.25",
+        "ici_context_parallelism=-1",
+        "ici_fsdp_parallelism=1",
+        "ici_data_parallelism=1",
+        "per_device_batch_size=0.125",
+        "num_devices=8",
     ]
-    assert main([f"maxtext_config={BASE}", *fixed]) == 0
-    assert "tokens per device      2,048" in capsys.readouterr().out
+    imported = selector.from_maxtext(base, over)
+    assert "MAXTEXT_CAPACITY_OVER_FULL_SEQUENCE" in codes(imported.findings)
+    assert imported.config.capacity_rounding.value == "maxtext"
 
 
-def test_maxtext_json_output(capsys):
-    assert main([f"maxtext_config={CUSTOM}", "num_devices=8", "output=json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["plan"]["strategy"] == "subgroup_capacity"
-    assert "some_future_key" in data["maxtext"]["ignored"]
+def test_ragged_path_is_not_said_to_gather_the_sequence(base):
+    """MaxText's ragged path (megablox=false) measured to keep the sequence sharded:
+    no warning; its Pallas path says exactly what was and was not measured."""
+    common = ["model_name=mixtral-8x7b", "ici_context_parallelism=4",
+              "per_device_batch_size=0.25", "num_devices=8"]
+    ragged = selector.from_maxtext(base, [*common, "megablox=false"])
+    assert not codes(ragged.findings)
+    pallas = selector.from_maxtext(base, common)
+    (f,) = [f for f in pallas.findings if f.code == "MAXTEXT_MEGABLOX_CP_UNMEASURED"]
+    assert "interpret mode on CPU" in f.message and "not measured on a TPU" in f.message
+
+
+def test_load_balance_loss_facts(base):
+    common = ["model_name=qwen3-30b-a3b", "num_devices=8", "load_balance_loss_weight=0.01"]
+    ragged = selector.from_maxtext(base, [*common, "megablox=false"])
+    assert "MAXTEXT_LOAD_BALANCE_LOSS_LOCAL" in codes(ragged.findings)
+    dense = selector.from_maxtext(base, [*common, "sparse_matmul=false"])
+    assert "MAXTEXT_LOAD_BALANCE_LOSS_PER_SEQUENCE" in codes(dense.findings)
+
+
+def test_a_weight_axis_given_twice_is_a_finding(tmp_path, base):
+    """A user's rule giving 'expert' to embed_moe, merged in front of base.yml's: flax
+    assigns it to the embed dim and skips the exp rule, so MaxText leaves the expert
+    dim unsharded; the route follows it and says so."""
+    (tmp_path / "run.yml").write_text(
+        f"base_config: {base}\nlogical_axis_rules: [['embed_moe', ['fsdp', 'expert']]]\n"
+    )
+    imported = selector.from_maxtext(
+        tmp_path / "run.yml", ["num_devices=8", "model_name=mixtral-8x7b"]
+    )
+    (f,) = [f for f in imported.findings if f.code == "MAXTEXT_AXIS_USED_TWICE"]
+    assert "exp -> ['expert'] (expert taken)" in f.message
+    rules = imported.config.axis_rules
+    assert rules.experts == [] and rules.embed == ["fsdp", "expert"]
+
+
+def test_ignored_keys_are_counted_and_only_those_that_matter_listed(base):
+    imported = selector.from_maxtext(base, ["model_name=gpt-oss-20b", "num_devices=8"])
+    assert len(imported.ignored) > 500
+    listed = ", ".join(imported.relevant_ignored)
+    assert "mlp_activations=['sigmoid', 'linear']" in listed and "mlp_bias=True" in listed
+    assert "steps" not in listed and len(imported.relevant_ignored) < 10
+    assert "Ignored" in imported.summary() and "steps," not in imported.summary()
 
 
 @pytest.mark.parametrize(
     "args,expect",
     [
-        ([f"maxtext_config={FIXTURES / 'missing.yml'}"], "does not exist"),
-        ([f"maxtext_config={BASE}", "ici_context_parallelism=four"], "ici_context_parallelism"),
-        ([f"maxtext_config={BASE}", "model_name=nope"], "model_name='nope'"),
-        ([f"maxtext_config={BASE}", "hardware=tpu9"], "hardware='tpu9'"),
-        ([f"maxtext_config={BASE}", "dispatch=fast"], "dispatch"),
-        ([f"maxtext_config={BASE}", "noequals"], "key=value"),
-        ([f"maxtext_config={BASE}", "-m"], "cannot be combined"),
+        (["ici_contex_parallelism=8"], "Did you mean ici_context_parallelism"),
+        (["per_device_batchsize=4"], "Did you mean per_device_batch_size"),
+        (["ici_context_parallelism=four"], "ici_context_parallelism"),
+        (["model_name=nope"], "model_name='nope'"),
+        (["chip=tpu9"], "chip='tpu9'"),
+        (["dispatch=fast"], "dispatch"),
+        (["noequals"], "key=value"),
+        (["-m"], "cannot be combined"),
     ],
 )
-def test_bad_maxtext_input_exits_2_with_a_message(capsys, args, expect):
-    assert main(args) == 2
+def test_bad_maxtext_input_exits_2_with_a_message(base, capsys, args, expect):
+    assert main([f"maxtext_config={base}", "num_devices=8", *args]) == 2
     err = capsys.readouterr().err
     assert expect in err and "Traceback" not in err
 
 
-def test_unreadable_and_looping_files_exit_2(tmp_path, capsys):
-    (tmp_path / "bad.yml").write_text("key: [unclosed\n")
+def test_unreadable_empty_and_looping_files_exit_2(tmp_path, capsys):
+    (tmp_path / "bad.yml").write_text("steps: 1\nkey: [unclosed\n")
     (tmp_path / "a.yml").write_text("base_config: b.yml\n")
     (tmp_path / "b.yml").write_text("base_config: a.yml\n")
     (tmp_path / "list.yml").write_text("- 1\n- 2\n")
+    (tmp_path / "empty.yml").write_text("")
     for name, expect in (
-        ("bad.yml", "not readable YAML"),
+        ("bad.yml", "line 3"),
         ("a.yml", "loop"),
         ("list.yml", "not a mapping"),
+        ("empty.yml", "is empty"),
+        ("missing.yml", "does not exist"),
     ):
         assert main([f"maxtext_config={tmp_path / name}", "num_devices=8"]) == 2
-        assert expect in capsys.readouterr().err
+        assert expect in capsys.readouterr().err, name
 
 
-def test_maxtext_route_as_a_subprocess_has_no_traceback():
+def test_json_and_subprocess(base):
     out = subprocess.run(
-        [sys.executable, "-m", "selector", f"maxtext_config={BASE}", *REPORTED],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-m", "selector", f"maxtext_config={base}", *REPORTED, "output=json"],
+        capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["maxtext"]["ignored_count"] > 500
+    assert data["maxtext"]["files"][-1].endswith("qwen3-next-80b-a3b.yml")
+    assert Path(data["maxtext"]["files"][0]).name == "base.yml"

@@ -72,31 +72,69 @@ def test_json_output_for_launch_scripts():
     assert [f["code"] for f in bad["findings"]] == ["LOCAL_BATCH_INFLATION"]
 
 
+# The README's two multirun examples: one that passes, one whose worst job fails.
+SWEEP_OK = [
+    "-m",
+    "ici_context_parallelism=4",
+    "per_device_batch_size=0.25",
+    "max_target_length=8192,32768",
+    "expert_exchange=gather,all_to_all",
+]
+SWEEP_WORST = ["-m", "ici_context_parallelism=1,4", "per_device_batch_size=1"]
+
+
 def test_multirun_prints_one_report_per_job(tmp_path):
-    out = run(
-        "-m",
-        "ici_context_parallelism=1,2,4,8",
-        "per_device_batch_size=0.125",
-        "max_target_length=8192",
-        "output=json",
-        cwd=tmp_path,
-    )
+    out = run(*SWEEP_OK, "output=json", cwd=tmp_path)
     reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["overrides"][0] for r in reports] == [
-        f"ici_context_parallelism={cp}" for cp in (1, 2, 4, 8)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [r["overrides"][2:] for r in reports] == [
+        [f"max_target_length={n}", f"expert_exchange={e}", "output=json"]
+        for n in (8192, 32768)
+        for e in ("gather", "all_to_all")
     ]
-    # Only cp=8 holds one sequence per batch shard at this batch size.
-    assert [r["ok"] for r in reports] == [False, False, False, True]
-    assert out.returncode == 1  # the worst job decides
+    assert [r["plan"]["placement"]["exchange"] for r in reports] == ["gather", "all_to_all"] * 2
     assert list(tmp_path.iterdir()) == []
-    text = run(
-        "-m",
-        "ici_context_parallelism=4,8",
-        "per_device_batch_size=0.125",
-        "max_target_length=8192",
-        cwd=tmp_path,
-    )
-    assert text.stdout.count("=== job: ") == 2 and text.stdout.count("Candidates") == 2
+    worst = run(*SWEEP_WORST, cwd=tmp_path)
+    assert worst.stdout.count("=== job ") == 2 and worst.stdout.count("Candidates") == 2
+    assert "OK: no errors" in worst.stdout and "LOCAL_BATCH_INFLATION" in worst.stdout
+    assert worst.returncode == 1  # the worst job decides
+
+
+def test_single_run_json_carries_its_overrides():
+    out = run(*REPORTED, "per_device_batch_size=0.25", "output=json")
+    assert json.loads(out.stdout)["overrides"] == [
+        *REPORTED,
+        "per_device_batch_size=0.25",
+        "output=json",
+    ]
+
+
+@pytest.mark.parametrize("flag", [["--cfg", "job"], ["-c", "job"], ["--cfg=job"]])
+def test_cfg_job_lists_every_key(flag):
+    out = run(*flag, "model=tiny")
+    assert out.returncode == 0, out.stderr
+    assert "model_name: tiny" in out.stdout and "ici_context_parallelism:" in out.stdout
+
+
+def test_help_describes_this_tool():
+    out = run("--help")
+    assert out.returncode == 0
+    assert out.stdout.startswith("usage: python -m selector")
+    assert "Pre-launch check for the MoE block" in out.stdout and "Hydra" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["hydra.run.dir=."], "Hydra's job runner"),
+        (["ici_context_parallelism=1,2"], "add -m"),
+        (["--nope"], "unrecognized arguments"),
+        (["+num_experts=4"], "Write num_experts=4"),
+    ],
+)
+def test_more_unusable_input_exits_2(args, expect):
+    out = run(*args)
+    assert out.returncode == 2 and expect in out.stderr and "Traceback" not in out.stderr
 
 
 def test_bad_value_inside_a_sweep_exits_2():

@@ -30,14 +30,14 @@ def main() -> None:
         ]
     )
     block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-    shapes, shardings = block.param_layout()
+    names, shapes, shardings = block.param_layout()
     program = initialiser(tuple(shapes), block.param_dtype, tuple(shardings))
     keys = tuple(jax.random.key(i) for i in range(len(shapes)))
     memory = program.lower(keys).compile().memory_analysis()
     params = {}
-    for name, shape, sharding in zip(block.PARAM_NAMES, shapes, shardings, strict=True):
-        owner = block.gate if name == "gate.kernel" else block
-        abstract = getattr(owner, name.split(".")[-1]).get_value()
+    weights = block.weights()
+    for name, shape, sharding in zip(names, shapes, shardings, strict=True):
+        abstract = getattr(weights, name)
         itemsize = block.param_dtype.itemsize
         params[name] = {
             "abstract_type": type(abstract).__name__,

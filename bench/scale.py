@@ -1,0 +1,214 @@
+"""The real models' sizes, compiled abstractly on up to 64 simulated CPU devices.
+
+One MoE layer of `qwen3_next_80b_a3b` and of `deepseek_v3` at their real dimensions,
+bfloat16 parameters and compute, fwd+bwd, sequences of 8192 and 32768 tokens. Each
+split is an 8-device base (over data, fsdp, tensor, expert) that holds a fixed global
+batch (one sequence per batch shard); context parallelism cp in {1, 2, 4, 8} adds cp x
+the base's devices for the same batch, as one does to fit a longer sequence. Every
+point is compiled from abstract inputs (nothing is allocated, so the 45 GB DeepSeek-V3
+layer needs no memory) for the weights gathered into the block and, where an expert
+group exists, exchanged by all-to-all with the context devices folded into the group.
+
+For each point: XLA's per-device argument, output and temp bytes, and the selector's
+prediction of each. The programs are XLA:CPU's, which computes bfloat16 as float32;
+the selector prices that (see selector/cost.py).
+
+    python -m bench.scale            # writes bench/results/scale.json and .png
+    python -m bench.scale --quick    # 8192 tokens only
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.common import use_cpu_devices
+
+use_cpu_devices(64)
+
+from bench.common import load, log_x_axis, pyplot, save, table  # noqa: E402
+from bench.points import Point, device_count, measure  # noqa: E402
+from selector.cost import temp_from_parts  # noqa: E402
+
+MODELS = {  # dims from the presets in conf/model (the model cards)
+    "qwen3_next_80b_a3b": dict(emb=2048, hidden=512, experts=512, top_k=10),
+    "deepseek_v3": dict(emb=7168, hidden=2048, experts=256, top_k=8),
+}
+SPLITS = {
+    "fsdp8": {"fsdp": 8},
+    "fsdp4_tensor2": {"fsdp": 4, "tensor": 2},
+    "data2_fsdp2_expert2": {"data": 2, "fsdp": 2, "expert": 2},
+}
+CPS = (1, 2, 4, 8)
+COLUMNS = [
+    ("model", "model"),
+    ("split", "split"),
+    ("seq", "seq"),
+    ("cp", "cp"),
+    ("devices", "devices"),
+    ("exchange", "weights"),
+    ("arguments_mib", "args MiB"),
+    ("arguments_error", "pred."),
+    ("outputs_mib", "out MiB"),
+    ("outputs_error", "pred."),
+    ("temp_mib", "temp MiB"),
+    ("temp_error", "pred."),
+    ("total_mib", "args+temp MiB"),
+    ("total_error", "pred."),
+]
+
+
+def points(seqs) -> list[tuple[str, str, Point]]:
+    out = []
+    for model, dims in MODELS.items():
+        for split, base in SPLITS.items():
+            for seq in seqs:
+                for cp in CPS:
+                    mesh = {**base, "context": cp}
+                    for exchange in ("gather", "all_to_all"):
+                        if exchange == "all_to_all" and cp == 1 and "expert" not in base:
+                            continue  # no expert group to exchange over
+                        point = Point(
+                            "megablox",
+                            mesh,
+                            seq,
+                            exchange=exchange,
+                            dtype="bfloat16",
+                            param_dtype="bfloat16",
+                            model=model,
+                            **dims,
+                        )
+                        out.append((model, split, point))
+    return out
+
+
+def row(model: str, split: str, point: Point, m: dict) -> dict:
+    """One table row: what XLA compiled, and the selector's prediction of it (temp
+    recomputed from the stored hand counts, so a new calibration needs no recompile)."""
+    predicted = {
+        "arguments": m["predicted_arguments"],
+        "outputs": m["predicted_outputs"],
+        "temp": temp_from_parts(m["key"], m["parts"]),
+    }
+    measured = {k: m[k] for k in ("arguments", "outputs", "temp")}
+
+    def err(key):
+        return f"{predicted[key] / measured[key] - 1:+.1%}"
+
+    total = measured["arguments"] + measured["temp"]
+    predicted_total = predicted["arguments"] + predicted["temp"]
+    return {
+        "model": model,
+        "split": split,
+        "seq": point.seq,
+        "cp": point.mesh["context"],
+        "devices": point.devices,
+        "exchange": point.exchange,
+        "arguments_mib": measured["arguments"] / 2**20,
+        "outputs_mib": measured["outputs"] / 2**20,
+        "temp_mib": measured["temp"] / 2**20,
+        "total_mib": total / 2**20,
+        "arguments_error": err("arguments"),
+        "outputs_error": err("outputs"),
+        "temp_error": err("temp"),
+        "total_error": f"{predicted_total / total - 1:+.1%}",
+        "predicted": predicted,
+        "measured": measured,
+        "tokens_per_device": m["tokens_per_device"],
+        "raw": m,
+    }
+
+
+def plot(payload: dict):
+    rows = payload["rows"]
+    plt = pyplot()
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        seq = max(r["seq"] for r in rows if r["model"] == model)
+        for split in SPLITS:
+            for exchange, style in (("gather", "o-"), ("all_to_all", "s--")):
+                pts = [
+                    r
+                    for r in rows
+                    if (r["model"], r["split"], r["seq"], r["exchange"])
+                    == (model, split, seq, exchange)
+                ]
+                if not pts:
+                    continue
+                line = ax.plot(
+                    [r["cp"] for r in pts],
+                    [r["total_mib"] / 1024 for r in pts],
+                    style,
+                    label=f"{split}, {exchange}",
+                )
+                ax.plot(
+                    [r["cp"] for r in pts],
+                    [(r["predicted"]["arguments"] + r["predicted"]["temp"]) / 2**30 for r in pts],
+                    "x:",
+                    color=line[0].get_color(),
+                )
+        ax.set(
+            yscale="log",
+            xlabel="context parallelism cp (devices = 8 x cp)",
+            ylabel="arguments + temp GiB per device",
+            title=f"{model}, seq {seq}, bf16 (x: selector)",
+        )
+        log_x_axis(ax, CPS)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _point(r: dict) -> Point:
+    """Enough of a Point to rebuild a row from the JSON."""
+    mesh = {**SPLITS[r["split"]], "context": r["cp"]}
+    dims = MODELS[r["model"]]
+    return Point("megablox", mesh, r["seq"], exchange=r["exchange"], model=r["model"], **dims)
+
+
+def summarise(rows: list[dict]) -> None:
+    print(table(rows, COLUMNS))
+    errors = [
+        abs(float(r[k].rstrip("%")) / 100)
+        for r in rows
+        for k in ("arguments_error", "outputs_error", "temp_error", "total_error")
+    ]
+    within = sum(e <= 0.15 for e in errors)
+    print(f"\n{within} of {len(errors)} predictions within 15%; worst {max(errors):.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8192 tokens only")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument(
+        "--repredict",
+        action="store_true",
+        help="recompute the selector's predictions from the JSON (after a new calibration)",
+    )
+    args = parser.parse_args()
+    if args.replot or args.repredict:
+        payload = load("scale")
+        if args.repredict:
+            payload["rows"] = [row(r["model"], r["split"], _point(r), r["raw"]) for r in payload["rows"]]
+            summarise(payload["rows"])
+        save("scale", payload, plot(payload))
+        return
+    assert device_count() == 64, "bench.scale needs 64 simulated devices"
+    seqs = (8192,) if args.quick else (8192, 32768)
+    rows = []
+    todo = points(seqs)
+    for i, (model, split, point) in enumerate(todo):
+        rows.append(row(model, split, point, measure(point)))
+        r = rows[-1]
+        print(
+            f"[{i + 1}/{len(todo)}] {point.label()}: args {r['arguments_mib']:.0f} MiB "
+            f"({r['arguments_error']}), temp {r['temp_mib']:.0f} MiB ({r['temp_error']})",
+            flush=True,
+        )
+    summarise(rows)
+    payload = {"rows": rows, "models": MODELS, "splits": SPLITS, "seqs": list(seqs)}
+    print("wrote", *save("scale" if not args.quick else "scale_quick", payload, plot(payload)))
+
+
+if __name__ == "__main__":
+    main()

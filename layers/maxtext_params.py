@@ -1,0 +1,134 @@
+"""Weights both ways between a MaxText MoE layer's parameter tree and our block.
+
+MaxText 0.2.5 (maxtext/layers/moe.py, models/qwen3.py) nests an MoE layer's
+parameters in one of three ways, all with the same leaf shapes as ours:
+
+- `RoutedMoE`: gate/kernel (M, E), gate/bias (E,) when routed_bias, wi_0 and wi_1
+  (E, M, H), wo (E, H, M);
+- `RoutedAndSharedMoE` (DeepSeek): the routed tree under MoeBlock_0, and the shared
+  experts' MlpBlock under shared_experts: wi_0/kernel, wi_1/kernel (M, S), wo/kernel (S, M)
+  with S = shared_experts x H;
+- `Qwen3NextSparseMoeBlock`: the routed tree under routed_experts, the shared expert
+  under shared_expert, and its gate under shared_expert_gate/kernel (M, 1).
+
+`to_maxtext(block)` returns the tree as nested dicts of arrays, `load_maxtext(block,
+tree)` puts a tree's arrays into the block at its at-rest shardings (and checks every
+leaf is used and every shape matches). Values are copied bit for bit (a dtype other than
+the block's param_dtype is an error, not a silent cast).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from .ffn import ExpertWeights
+
+# Our ExpertWeights field -> its path inside a RoutedMoE tree / the shared-expert trees.
+ROUTED = {
+    "gate_ME": ("gate", "kernel"),
+    "bias_E": ("gate", "bias"),
+    "wi_0_EMH": ("wi_0",),
+    "wi_1_EMH": ("wi_1",),
+    "wo_EHM": ("wo",),
+}
+SHARED = {
+    "shared_wi_0_MS": ("wi_0", "kernel"),
+    "shared_wi_1_MS": ("wi_1", "kernel"),
+    "shared_wo_SM": ("wo", "kernel"),
+}
+# Layout name -> (prefix of the routed tree, prefix of the shared MLP, path of the gate)
+LAYOUTS = {
+    "routed": ((), None, None),
+    "routed_and_shared": (("MoeBlock_0",), ("shared_experts",), None),
+    "qwen3_next": (("routed_experts",), ("shared_expert",), ("shared_expert_gate", "kernel")),
+}
+
+
+def layout_for(block) -> str:
+    """The MaxText module a block corresponds to."""
+    if block.spec.shared_expert_gate:
+        return "qwen3_next"
+    return "routed_and_shared" if block.spec.shared_experts else "routed"
+
+
+def paths(layout: str) -> dict[str, tuple[str, ...]]:
+    """ExpertWeights field -> path in the MaxText tree of `layout`."""
+    routed, shared, gate = LAYOUTS[layout]
+    out = {name: routed + path for name, path in ROUTED.items()}
+    if shared is not None:
+        out |= {name: shared + path for name, path in SHARED.items()}
+    if gate is not None:
+        out["shared_gate_M1"] = gate
+    return out
+
+
+def to_maxtext(block, layout: str | None = None) -> dict:
+    """The block's parameters as MaxText's nested tree (arrays keep their sharding)."""
+    layout = layout or layout_for(block)
+    tree: dict = {}
+    weights = block.weights()
+    for name, path in paths(layout).items():
+        value = getattr(weights, name)
+        if value is None:
+            continue
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _leaves(tree: dict, prefix=()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _leaves(value, (*prefix, key))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def load_maxtext(block, tree: dict, layout: str | None = None) -> None:
+    """Put a MaxText tree's arrays into the block, at the block's at-rest shardings."""
+    layout = layout or layout_for(block)
+    given = _leaves(tree)
+    wanted = {path: name for name, path in paths(layout).items()}
+    current = block.weights()
+    unused = [path for path in given if path not in wanted]
+    if unused:
+        raise ValueError(
+            f"MaxText tree has parameters the {layout} block does not hold: "
+            f"{['/'.join(p) for p in unused]}"
+        )
+    for path, name in wanted.items():
+        target = getattr(current, name)
+        if target is None:
+            continue
+        if path not in given:
+            raise ValueError(f"MaxText tree lacks {'/'.join(path)} ({name})")
+        value = given[path]
+        if tuple(value.shape) != tuple(target.shape) or np.dtype(value.dtype) != target.dtype:
+            raise ValueError(
+                f"{'/'.join(path)}: {value.dtype}{tuple(value.shape)} does not fit the block's "
+                f"{target.dtype}{tuple(target.shape)} ({name})"
+            )
+        _variable(block, name)[...] = jax.device_put(value, target.sharding)
+
+
+def _variable(block, name: str):
+    """The nnx variable holding ExpertWeights field `name`."""
+    return {
+        "gate_ME": lambda: block.gate.kernel,
+        "bias_E": lambda: block.gate.bias,
+        "wi_0_EMH": lambda: block.wi_0,
+        "wi_1_EMH": lambda: block.wi_1,
+        "wo_EHM": lambda: block.wo,
+        "shared_wi_0_MS": lambda: block.shared_experts.wi_0.kernel,
+        "shared_wi_1_MS": lambda: block.shared_experts.wi_1.kernel,
+        "shared_wo_SM": lambda: block.shared_experts.wo.kernel,
+        "shared_gate_M1": lambda: block.shared_expert_gate.kernel,
+    }[name]()
+
+
+__all__ = ["LAYOUTS", "ExpertWeights", "layout_for", "load_maxtext", "paths", "to_maxtext"]

@@ -1,0 +1,150 @@
+"""What MaxText 0.2.5's MoE block measurably does with a config, as findings.
+
+Every statement here was measured with MaxText 0.2.5's RoutedMoE on CPU (8 simulated
+devices, float32, identical weights and inputs to ours; see shared NOTES) or read from
+its source (maxtext/layers/moe.py), and says which; nothing here was run on a TPU or GPU.
+They read the resolved mesh (a -1 fill counts).
+"""
+
+from __future__ import annotations
+
+from .config import Config, Mode
+from .findings import Finding, fix, warning
+from .mesh import MeshView
+
+# Keys MaxText 0.2.5 reads in the MoE block that this check does not map: a changed
+# value changes the block's output, memory or time. Only these are listed by name
+# among the ignored keys.
+MOE_KEYS_NOT_MAPPED = (
+    "fused_mlp",
+    "first_num_hash_layers",
+    "load_balance_loss_weight",
+    "mlp_activations",
+    "mlp_activations_limit",
+    "mlp_bias",
+    "moe_expert_input_dim",
+    "moe_fsdp_use_two_stage_all_gather",
+    "moe_use_megatron_seq_aux_loss",
+    "num_moe_token_chunks",
+    "prefuse_moe_weights",
+    "ragged_buffer_factor",
+    "remat_policy",
+    "routed_bias_update_rate",
+    "shard_embed_moe_on_fsdp",
+    "shard_exp_on_fsdp",
+    "use_batch_split_schedule",
+    "use_random_routing",
+    "use_ring_of_experts",
+)
+# Mesh axes of MaxText's training mesh that the check does not model.
+UNMODELLED_AXES = ("diloco", "stage", "fsdp_transpose", "tensor_sequence", "autoregressive",
+                   "sequence", "pipeline")
+
+
+def _cp(mesh: MeshView) -> int:
+    return mesh.product(("context", "context_usp_ulysses", "context_autoregressive"))
+
+
+def facts(raw: dict, cfg: Config, mesh: MeshView | None, sparse: bool, megablox: bool) -> list:
+    """Findings about what MaxText does with this config (the resolved mesh's cp)."""
+    found: list[Finding] = []
+    cp = _cp(mesh) if mesh is not None else 1
+    lb_weight = float(raw.get("load_balance_loss_weight", 0.0) or 0.0)
+    inference = str(raw.get("model_call_mode", "")).lower() == "inference"
+    cf = cfg.capacity_factor
+    if sparse and cf > 0:
+        found.append(
+            warning(
+                "MAXTEXT_SPARSE_IGNORES_CAPACITY",
+                "capacity_factor",
+                f"sparse_matmul=true runs MaxText's dropless grouped matmul, which does not "
+                f"apply capacity_factor={cf:g} (read from its source).",
+                [fix("say so", capacity_factor=-1.0)],
+            )
+        )
+    if sparse and megablox and cp > 1:
+        found.append(
+            warning(
+                "MAXTEXT_MEGABLOX_CP_UNMEASURED",
+                "megablox",
+                f"sparse_matmul=true megablox=true with cp={cp}: MaxText's Pallas megablox path "
+                "was measured only in Pallas interpret mode on CPU, where its per-device temp "
+                "memory fell from 1072 to 768 MiB from cp=1 to 4 (0.716) at a fixed global "
+                "batch; it was not measured on a TPU. Its ragged path (megablox=false) "
+                "measured 1232 -> 632 -> 328 MiB at cp=1, 2, 4 (0.266): it keeps the sequence "
+                "sharded.",
+            )
+        )
+    if not sparse and cf > 0 and cp > 1 and not inference:
+        found.append(
+            warning(
+                "MAXTEXT_CAPACITY_OVER_FULL_SEQUENCE",
+                "capacity_factor",
+                f"sparse_matmul=false with capacity_factor={cf:g} in training, cp={cp}: "
+                "MaxText computes each expert's capacity over the whole sequence whatever the "
+                "context axes are (measured); only model_call_mode=inference splits into "
+                "subgroups, and only by context_autoregressive. layers.MoEBlock with "
+                "dispatch=subgroup_capacity applies the capacity per sequence shard, so its "
+                "drops differ from MaxText's at cp > 1 (they agree at cp=1 with "
+                "capacity_rounding=maxtext, which this route sets).",
+            )
+        )
+    if not sparse and cf > 0 and inference:
+        found.append(
+            warning(
+                "MAXTEXT_INFERENCE_CAPACITY",
+                "model_call_mode",
+                "model_call_mode=inference with capacity_factor > 0: MaxText splits the "
+                "capacity into subgroups by context_autoregressive alone, and its combine uses "
+                "the softmax weights without renormalising them whatever norm_topk_prob says "
+                "(measured).",
+            )
+        )
+    if lb_weight > 0 and sparse and not megablox:
+        found.append(
+            warning(
+                "MAXTEXT_LOAD_BALANCE_LOSS_LOCAL",
+                "load_balance_loss_weight",
+                f"load_balance_loss_weight={lb_weight:g} on MaxText's ragged path: the loss it "
+                "returns is device 0's local loss, not reduced over devices (measured: 1.009833 "
+                "where the mean over devices is 1.0253). layers.MoEBlock returns the loss over "
+                "the global batch.",
+            )
+        )
+    if lb_weight > 0 and not sparse:
+        found.append(
+            warning(
+                "MAXTEXT_LOAD_BALANCE_LOSS_PER_SEQUENCE",
+                "load_balance_loss_weight",
+                f"load_balance_loss_weight={lb_weight:g} on MaxText's dense path: the loss it "
+                "returns is the mean of per-sequence losses (measured 1.010766 where the "
+                "global form gives 1.009689); layers.MoEBlock returns the global form.",
+            )
+        )
+    for axis in UNMODELLED_AXES:
+        for tier in ("ici", "dcn"):
+            key = f"{tier}_{axis}_parallelism"
+            if key in raw and raw[key] not in (1, "1", None, -1):
+                found.append(
+                    warning(
+                        "MAXTEXT_AXIS_NOT_MODELLED",
+                        key,
+                        f"{key}={raw[key]} shards MaxText's '{axis}' mesh axis, which this check "
+                        "does not model; its per-device numbers assume it is 1.",
+                    )
+                )
+    return found
+
+
+def ignored_that_matter(raw: dict, used: set[str], base: dict) -> list[str]:
+    """The ignored keys that could change the MoE block's numbers and differ from the
+    base file's own defaults, as key=value."""
+    return [
+        f"{k}={raw[k]!r}"
+        for k in MOE_KEYS_NOT_MAPPED
+        if k in raw and k not in used and (k not in base or base[k] != raw[k])
+    ]
+
+
+def mode_of(raw: dict) -> Mode | None:
+    return Mode.prefill if str(raw.get("model_call_mode", "")).lower() == "inference" else None

@@ -1,0 +1,277 @@
+"""Rules on the mesh and the per-device numbers derived from it."""
+
+from __future__ import annotations
+
+import math
+
+from ..config import Config, Mode
+from ..derive import PerDevice, is_whole
+from ..findings import Finding, error, fix, warning
+from ..mesh import MeshView
+from .moves import largest_divisor_at_most, move
+
+
+def fmt(x: float) -> str:
+    """A count as the report prints it: whole numbers with separators, else exact."""
+    return f"{round(x):,}" if is_whole(x) else f"{x:,.6g}"
+
+
+def _shown(mesh: MeshView, axes) -> str:
+    return " x ".join(f"{a}={mesh.size(a)}" for a in axes if mesh.size(a) > 1)
+
+
+def _one_per_shard(cfg: Config, dev: PerDevice, note: str):
+    """The per_device_batch_size that puts one sequence on each batch shard."""
+    pdbs = dev.batch_shards / dev.num_devices
+    return fix(note, per_device_batch_size=pdbs)
+
+
+def global_batch_whole(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    if is_whole(dev.global_batch):
+        return []
+    whole = max(1, round(dev.global_batch)) / dev.num_devices
+    return [
+        error(
+            "GLOBAL_BATCH_FRACTIONAL",
+            "per_device_batch_size",
+            f"per_device_batch_size={cfg.per_device_batch_size:g} x {dev.num_devices} devices "
+            f"= {dev.global_batch:g} sequences, not a whole number; per_device_batch_size "
+            f"must be a multiple of 1/{dev.num_devices}.",
+            [
+                _one_per_shard(cfg, dev, f"global batch {dev.batch_shards}, one per batch shard"),
+                fix(per_device_batch_size=whole),
+            ],
+        )
+    ]
+
+
+def batch_divides_shards(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    if not is_whole(dev.global_batch) or is_whole(dev.local_batch):
+        return []
+    gb, shards = round(dev.global_batch), dev.batch_shards
+    per_shard = 1 if dev.cp * dev.replication > 1 else max(1, math.ceil(dev.local_batch))
+    return [
+        error(
+            "BATCH_NOT_DIVISIBLE",
+            "per_device_batch_size",
+            f"The global batch of {gb} sequences does not divide over the {shards} batch "
+            f"shards ({_shown(mesh, mesh.batch_axes) or '1'}): {dev.local_batch:g} sequences "
+            "each, so XLA would pad or replicate without a word.",
+            [
+                fix(
+                    f"global batch {per_shard * shards}",
+                    per_device_batch_size=per_shard * shards / dev.num_devices,
+                )
+            ],
+        )
+    ]
+
+
+def _sharing_axes(mesh: MeshView) -> list[str]:
+    """Axes whose devices share one batch shard's sequences: the sequence axes split
+    them, the others (tensor, ...) hold the same tokens."""
+    return [a for a, s in mesh.sizes if s > 1 and a not in mesh.batch_axes]
+
+
+def _remap(cfg: Config, mesh: MeshView, dev: PerDevice):
+    """Move `local batch` devices' worth from the sharing axes to the batch: the same
+    global batch, one sequence per batch shard."""
+    remaining = round(dev.local_batch)
+    new = {}
+    for axis in sorted(_sharing_axes(mesh), key=mesh.size, reverse=True):
+        g = math.gcd(remaining, mesh.size(axis))
+        if g > 1:
+            new[axis] = mesh.size(axis) // g
+            remaining //= g
+    if remaining != 1 or not mesh.batch_axes:
+        return None
+    to = "data" if "data" in mesh.batch_axes else mesh.batch_axes[0]
+    overrides = move(cfg, mesh, new, to=to)
+    if not overrides:
+        return None
+    return fix(
+        f"the same global batch of {fmt(dev.global_batch)}, one sequence per batch shard",
+        **dict(overrides),
+    )
+
+
+def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    sharing = dev.cp * dev.replication
+    if cfg.mode is Mode.decode or sharing <= 1 or dev.local_batch <= 1 + 1e-9:
+        return []
+    if not is_whole(dev.local_batch):
+        return []  # reported by batch_divides_shards
+    cp_axes = _shown(mesh, mesh.sequence_axes)
+    others = _shown(mesh, [a for a in _sharing_axes(mesh) if a not in mesh.sequence_axes])
+    why = []
+    if cp_axes:
+        why.append(f"context parallelism cp={dev.cp} ({cp_axes}) splits each sequence")
+    if others:
+        why.append(f"{others} keeps the same tokens on its devices")
+    fixes = [f for f in (_remap(cfg, mesh, dev),) if f]
+    new_gb = dev.global_batch / dev.local_batch
+    fixes.append(
+        fix(
+            f"changes the global batch from {fmt(dev.global_batch)} to {fmt(new_gb)} sequences",
+            per_device_batch_size=cfg.per_device_batch_size / dev.local_batch,
+        )
+    )
+    severity = warning if cfg.allow_local_batch_inflation else error
+    text = " and ".join(why)
+    return [
+        severity(
+            "LOCAL_BATCH_INFLATION",
+            "per_device_batch_size",
+            f"{text[0].upper()}{text[1:]}, but with per_device_batch_size="
+            f"{cfg.per_device_batch_size:g} the global batch of {fmt(dev.global_batch)} "
+            f"sequences over {dev.batch_shards} batch shards puts {fmt(dev.local_batch)} "
+            f"sequences on each shard: every device holds {fmt(dev.tokens_per_device)} "
+            f"tokens, {fmt(dev.local_batch)}x what one sequence per batch shard gives. Raising "
+            "those axes at a fixed per_device_batch_size grew the local batch instead of "
+            "shrinking what a device holds.",
+            fixes,
+            "Or accept it knowingly with allow_local_batch_inflation=true.",
+        )
+    ]
+
+
+def sequence_divides_cp(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    if cfg.mode is Mode.decode or dev.cp <= 1:
+        return []
+    seq = cfg.max_target_length
+    balance = cfg.context_parallel_load_balance
+    unit = 2 * dev.cp if balance else dev.cp
+    if seq % unit == 0:
+        return []
+    down = seq - seq % unit
+    lengths = [fix(max_target_length=n) for n in (down, down + unit) if n > 0]
+    if seq % dev.cp:
+        return [
+            error(
+                "SEQUENCE_NOT_DIVISIBLE",
+                "max_target_length",
+                f"max_target_length={seq} is not divisible by cp={dev.cp}; frameworks that "
+                "meet this silently fall back to cp=1 in the MoE block"
+                + (
+                    f" (and context_parallel_load_balance=true needs a multiple of {unit})"
+                    if balance
+                    else ""
+                )
+                + ".",
+                lengths,
+            )
+        ]
+    return [
+        error(
+            "SEQUENCE_NOT_DIVISIBLE_LOAD_BALANCE",
+            "max_target_length",
+            f"context_parallel_load_balance=true splits each sequence into 2 x cp = "
+            f"{unit} chunks, but max_target_length={seq} is not divisible by {unit}.",
+            [*lengths, fix(context_parallel_load_balance=False)],
+        )
+    ]
+
+
+# (finding code, dimension setting, axis-rules role, mesh-view attribute)
+WEIGHT_DIVISIBILITY = (
+    ("EXPERTS_NOT_DIVISIBLE", "num_experts", "experts", "expert_axes"),
+    ("HIDDEN_NOT_DIVISIBLE", "base_moe_mlp_dim", "hidden", "hidden_axes"),
+    ("EMBED_NOT_DIVISIBLE", "base_emb_dim", "embed", "embed_axes"),
+)
+
+
+def weights_divide_axes(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """Each weight dimension must split evenly over the axes it rests sharded on."""
+    findings = []
+    for code, dim, role, attr in WEIGHT_DIVISIBILITY:
+        axes = [a for a in getattr(mesh, attr) if mesh.size(a) > 1]
+        shards, size = mesh.product(axes), getattr(cfg, dim)
+        if size % shards == 0:
+            continue
+        keep, product = [], 1
+        for a in axes:
+            if size % (product * mesh.size(a)) == 0:
+                keep.append(a)
+                product *= mesh.size(a)
+        fixes = [fix(f"weights rest unsplit over the others", **{f"axis_rules__{role}": keep})]
+        if len(axes) == 1:
+            smaller = largest_divisor_at_most(size, mesh.size(axes[0]))
+            moved = move(cfg, mesh, {axes[0]: smaller})
+            if moved:
+                fixes.append(fix("moves devices to data", **dict(moved)))
+        findings.append(
+            error(
+                code,
+                f"axis_rules.{role}",
+                f"{dim}={size} is not divisible by the {shards} shards "
+                f"({_shown(mesh, axes)}) the weights rest on.",
+                fixes,
+            )
+        )
+    return findings
+
+
+def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """Axes that split neither the tokens nor the expert hidden dim: pure repetition.
+    (A hidden axis such as tensor splits every expert matmul; only the router repeats.)"""
+    axes = [a for a in mesh.replicating_axes if a not in mesh.hidden_axes]
+    if not axes or cfg.mode is Mode.decode:
+        return []
+    fixes = [fix(**{"axis_rules__batch": [*mesh.batch_axes, *axes]})]
+    moved = move(cfg, mesh, {a: 1 for a in axes if mesh.size(a) > 1})
+    if moved:
+        fixes.append(fix("moves the devices to data", **dict(moved)))
+    return [
+        warning(
+            "TOKENS_REPLICATED",
+            "axis_rules.batch",
+            f"{_shown(mesh, axes)} splits neither the tokens (batch, sequence) nor the expert "
+            f"hidden dim, so {dev.replication} devices hold the same "
+            f"{fmt(dev.tokens_per_device)} tokens and repeat all of the block's work.",
+            fixes,
+        )
+    ]
+
+
+def _knob_of(cfg: Config, axis: str) -> str:
+    for tier in ("ici", "dcn"):
+        if cfg.parallelism(tier, axis) not in (1,):
+            return f"{tier}_{axis}_parallelism"
+    return f"ici_{axis}_parallelism"
+
+
+def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    if cfg.mode is not Mode.decode or dev.cp <= 1:
+        return []
+    axes = [a for a in mesh.sequence_axes if mesh.size(a) > 1]
+    knobs = ", ".join(f"{_knob_of(cfg, a)}={mesh.size(a)}" for a in axes)
+    moved = move(cfg, mesh, {a: 1 for a in axes})
+    fixes = []
+    if moved:
+        shards = dev.batch_shards * dev.cp
+        overrides = dict(moved)
+        note = "moves the sequence devices to data"
+        if not is_whole(dev.global_batch / shards):
+            overrides["per_device_batch_size"] = shards / dev.num_devices
+            note += f", one sequence per batch shard (global batch {shards})"
+        fixes.append(fix(note, **overrides))
+    return [
+        error(
+            "DECODE_CONTEXT_PARALLEL",
+            _knob_of(cfg, axes[0]),
+            f"mode=decode feeds one token per sequence, which cp={dev.cp} ({knobs}) cannot "
+            f"split: the MoE block's sequence shards would each hold the same token.",
+            fixes,
+        )
+    ]
+
+
+LAYOUT_RULES = (
+    global_batch_whole,
+    batch_divides_shards,
+    local_batch_inflation,
+    sequence_divides_cp,
+    weights_divide_axes,
+    tokens_replicated,
+    decode_context,
+)

@@ -1,0 +1,67 @@
+"""Fixes that move devices between mesh axes and keep the device count.
+
+A fix that shrinks one axis must give its devices to another (or the mesh no longer
+covers the machine): they go to `data`, and every ici knob is written explicitly so no
+`-1` fill has to be recomputed. Only the ici tier is changed; a mesh read from a live
+jax mesh cannot be changed by a setting, so no move is proposed there.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from ..config import MESH_AXES, Config
+from ..mesh import MeshView
+
+
+def dcn_sizes(cfg: Config) -> dict[str, int] | None:
+    """Each axis's dcn size with its -1 filled from num_slices; None if not whole."""
+    sizes = {a: cfg.parallelism("dcn", a) for a in MESH_AXES}
+    fill = [a for a, s in sizes.items() if s == -1]
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if fill:
+        if len(fill) > 1 or cfg.num_slices % fixed:
+            return None
+        sizes[fill[0]] = cfg.num_slices // fixed
+    return sizes
+
+
+def ici_sizes(cfg: Config, mesh: MeshView) -> dict[str, int] | None:
+    """Each axis's resolved ici size (the mesh size over its dcn size)."""
+    if mesh.source != "config":
+        return None
+    dcn = dcn_sizes(cfg)
+    if dcn is None:
+        return None
+    return {a: mesh.size(a) // dcn[a] for a in MESH_AXES}
+
+
+def move(cfg: Config, mesh: MeshView, new: dict[str, int], to: str = "data"):
+    """Overrides setting ici sizes `new` (axis -> size) with the devices freed or needed
+    taken up by `to`; None when that cannot be done in whole devices."""
+    ici = ici_sizes(cfg, mesh)
+    if ici is None:
+        return None
+    ratio = Fraction(1)
+    for axis, size in new.items():
+        if size < 1:
+            return None
+        ratio *= Fraction(ici[axis], size)
+    target = dict(ici, **new)
+    if to not in new:
+        grown = ici[to] * ratio
+        if grown.denominator != 1 or grown < 1:
+            return None
+        target[to] = int(grown)
+    overrides = []
+    for axis in MESH_AXES:
+        knob = f"ici_{axis}_parallelism"
+        if getattr(cfg, knob) != target[axis]:
+            overrides.append((knob, target[axis]))
+    return tuple(overrides)
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest d <= limit with n % d == 0 (1 at least)."""
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)

@@ -1,0 +1,170 @@
+"""Rules on plain values, checked before anything is derived from them."""
+
+from __future__ import annotations
+
+import math
+
+from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch
+from ..findings import Finding, error, fix
+
+POSITIVE = (
+    "base_emb_dim",
+    "base_moe_mlp_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "max_target_length",
+    "per_device_batch_size",
+    "gmm_tile_rows",
+    "expert_buffer_factor",
+    "routed_scaling_factor",
+)
+
+
+def positive_dims(cfg: Config) -> list[Finding]:
+    return [
+        error(
+            "VALUE_NOT_POSITIVE",
+            n,
+            f"{n}={getattr(cfg, n)} must be positive: nothing can be sized from a zero, "
+            f"negative or NaN value. Set {n} to a positive number, or pick a model= "
+            "preset that sets it.",
+        )
+        for n in POSITIVE
+        if not 0 < getattr(cfg, n) < math.inf  # also catches NaN
+    ]
+
+
+def finite_capacity_factor(cfg: Config) -> list[Finding]:
+    if math.isfinite(cfg.capacity_factor):
+        return []
+    return [
+        error(
+            "CAPACITY_FACTOR_INVALID",
+            "capacity_factor",
+            f"capacity_factor={cfg.capacity_factor} is not a finite number: use a value > 0 "
+            "(1.0 to 1.5 is usual) for capacity-limited routing, or -1 for dropless.",
+            [fix(capacity_factor=-1.0), fix(capacity_factor=1.25)],
+        )
+    ]
+
+
+def top_k_within_experts(cfg: Config) -> list[Finding]:
+    if cfg.num_experts_per_tok > cfg.num_experts > 0:
+        return [
+            error(
+                "TOPK_EXCEEDS_EXPERTS",
+                "num_experts_per_tok",
+                f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds num_experts="
+                f"{cfg.num_experts}: a token cannot pick more experts than exist.",
+                [fix(num_experts_per_tok=cfg.num_experts)],
+            )
+        ]
+    return []
+
+
+def known_dtypes(cfg: Config) -> list[Finding]:
+    found = []
+    if cfg.dtype not in COMPUTE_DTYPES:
+        found.append(
+            error(
+                "DTYPE_UNKNOWN",
+                "dtype",
+                f"dtype={cfg.dtype!r} is not a compute dtype the layers run in "
+                f"({', '.join(COMPUTE_DTYPES)}).",
+                [fix(dtype="bfloat16"), fix(dtype="float32")],
+            )
+        )
+    if cfg.param_dtype not in PARAM_DTYPES:
+        found.append(
+            error(
+                "PARAM_DTYPE_UNKNOWN",
+                "param_dtype",
+                f"param_dtype={cfg.param_dtype!r} is not a dtype the layers can store weights "
+                f"in ({', '.join(PARAM_DTYPES)}).",
+                [fix(param_dtype="float32"), fix(param_dtype="bfloat16")],
+            )
+        )
+    return found
+
+
+def hardware_values(cfg: Config) -> list[Finding]:
+    hw = cfg.hardware
+    names = (
+        "memory_gib",
+        "peak_bf16_tflops",
+        "hbm_bandwidth_gbps",
+        "ici_bandwidth_gbps",
+        "dcn_bandwidth_gbps",
+    )
+    return [
+        error(
+            "HARDWARE_INVALID",
+            f"hardware.{n}",
+            f"hardware.{n}={getattr(hw, n)} must be positive; pick a preset with "
+            "hardware=<chip> or set the number.",
+        )
+        for n in names
+        if not getattr(hw, n) > 0
+    ]
+
+
+def mlp_needs_one_expert(cfg: Config) -> list[Finding]:
+    if cfg.dispatch is Dispatch.mlp and cfg.num_experts > 1:
+        return [
+            error(
+                "DISPATCH_MLP_WITH_EXPERTS",
+                "dispatch",
+                f"dispatch=mlp runs one dense MLP, but num_experts={cfg.num_experts}: the "
+                "router would be ignored.",
+                [fix(dispatch=Dispatch.auto), fix(dispatch=Dispatch.dense)],
+            )
+        ]
+    return []
+
+
+def routing_groups(cfg: Config) -> list[Finding]:
+    """Group-limited routing must split the experts evenly and leave a token enough
+    experts in its allowed groups."""
+    groups, top = cfg.n_routing_groups, cfg.topk_routing_group
+    if groups <= 0 or cfg.num_experts <= 0:
+        return []
+    per_group = cfg.num_experts // groups if cfg.num_experts % groups == 0 else 0
+    if per_group and 1 <= top <= groups and top * per_group >= cfg.num_experts_per_tok:
+        return []
+    return [
+        error(
+            "ROUTING_GROUPS_INVALID",
+            "n_routing_groups",
+            f"n_routing_groups={groups} with topk_routing_group={top}: the groups must split "
+            f"num_experts={cfg.num_experts} evenly, 1 <= topk_routing_group <= "
+            f"n_routing_groups, and the chosen groups must hold at least num_experts_per_tok="
+            f"{cfg.num_experts_per_tok} experts.",
+            [fix("no group limit", n_routing_groups=-1, topk_routing_group=-1)],
+        )
+    ]
+
+
+def shared_gate_needs_experts(cfg: Config) -> list[Finding]:
+    if cfg.shared_expert_gate and cfg.shared_experts <= 0:
+        return [
+            error(
+                "SHARED_GATE_WITHOUT_EXPERTS",
+                "shared_expert_gate",
+                f"shared_expert_gate=true scales the shared experts' output, but "
+                f"shared_experts={cfg.shared_experts}.",
+                [fix(shared_experts=1), fix(shared_expert_gate=False)],
+            )
+        ]
+    return []
+
+
+SETTINGS_RULES = (
+    routing_groups,
+    shared_gate_needs_experts,
+    positive_dims,
+    finite_capacity_factor,
+    top_k_within_experts,
+    known_dtypes,
+    hardware_values,
+    mlp_needs_one_expert,
+)

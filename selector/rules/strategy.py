@@ -1,0 +1,243 @@
+"""Rules on what the chosen dispatch and placement do with these settings."""
+
+from __future__ import annotations
+
+import math
+
+from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup
+from ..cost import Estimate
+from ..derive import PerDevice, capacity
+from ..findings import Finding, error, fix, warning
+from ..mesh import MeshView
+from .layout import fmt
+
+DROPLESS = (Dispatch.megablox, Dispatch.dense, Dispatch.mlp)
+DROP_WARNING_FRACTION = 0.01  # warn when uniform routing alone would drop more than this
+CAPACITY_COSTLY_RATIO = 2.0  # warn when the capacity path costs this much more
+DROPLESS_FIX = fix("dropless routing", dispatch=Dispatch.megablox, capacity_factor=-1.0)
+
+
+def poisson_drop_fraction(mean: float, cap: int) -> float:
+    """Expected fraction of tokens over capacity when each expert's load is Poisson(mean)."""
+    if mean <= 0:
+        return 0.0
+    if cap > mean + 12 * math.sqrt(mean) + 12:
+        return 0.0
+    if mean > 1000:  # normal approximation: the exact sum would loop `cap` times
+        sigma = math.sqrt(mean)
+        z = (cap - mean) / sigma
+        pdf = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+        tail = 0.5 * math.erfc(z / math.sqrt(2))
+        return max(0.0, sigma * (pdf - z * tail)) / mean
+    # E[max(X - C, 0)] = mean - C + sum_{x <= C} (C - x) p(x)
+    log_p = -mean
+    below = 0.0
+    for x in range(cap + 1):
+        below += (cap - x) * math.exp(log_p)
+        log_p += math.log(mean) - math.log(x + 1)
+    return max(0.0, mean - cap + below) / mean
+
+
+def capacity_settings(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[Finding]:
+    cf = cfg.capacity_factor
+    if strategy is Dispatch.subgroup_capacity and cf <= 0:
+        return [
+            error(
+                "CAPACITY_REQUIRED",
+                "capacity_factor",
+                f"dispatch=subgroup_capacity drops tokens beyond each expert's capacity, but "
+                f"capacity_factor={cf:g} asks for dropless routing.",
+                [fix(capacity_factor=1.25), fix(dispatch=Dispatch.megablox)],
+            )
+        ]
+    if strategy in DROPLESS and cf > 0:
+        return [
+            warning(
+                "CAPACITY_IGNORED",
+                "capacity_factor",
+                f"capacity_factor={cf:g} has no effect: dispatch={strategy.value} is dropless "
+                "and routes every token.",
+                [
+                    fix("say so", capacity_factor=-1.0),
+                    fix("cap expert loads", dispatch=Dispatch.subgroup_capacity),
+                ],
+            )
+        ]
+    return []
+
+
+def _factor_for(dev: PerDevice, cfg: Config, target: float) -> float | None:
+    """The smallest capacity_factor (in steps of 0.05) whose uniform-routing drops are
+    at most `target`, or None above 64."""
+    cf = math.floor(cfg.capacity_factor * 20 + 1) / 20
+    while cf <= 64:
+        cap = capacity(
+            dev.sub_seq, cfg.num_experts_per_tok, cfg.num_experts, cf, cfg.capacity_rounding
+        )
+        if cap and poisson_drop_fraction(dev.expected_tokens_per_expert, cap) <= target:
+            return cf
+        cf = round(cf + 0.05, 2)
+    return None
+
+
+def capacity_too_small(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[Finding]:
+    if strategy is not Dispatch.subgroup_capacity or dev.capacity_per_subgroup is None:
+        return []
+    if dev.sub_seq <= 1:
+        return []  # one token per subgroup: its k distinct experts never exceed capacity 1
+    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    raw = dev.expected_tokens_per_expert * cfg.capacity_factor
+    cap = dev.capacity_per_subgroup
+    if cap == 0:
+        return [
+            warning(
+                "CAPACITY_ZERO",
+                "capacity_factor",
+                f"capacity_rounding={cfg.capacity_rounding.value} truncates the per-subgroup "
+                f"capacity to 0 (capacity_factor={cfg.capacity_factor:g}, {fmt(dev.sub_seq)} "
+                f"tokens x {k} / {experts} experts): every assignment is dropped, as MaxText "
+                "would drop it.",
+                [fix(capacity_factor=1.0), fix(capacity_rounding=CapacityRounding.ours)],
+            )
+        ]
+    if raw < 1:
+        needed = math.ceil(experts / (dev.sub_seq * k) * 100) / 100
+        return [
+            warning(
+                "CAPACITY_BELOW_ONE",
+                "capacity_factor",
+                f"Per-subgroup capacity is sub_seq x k / E x capacity_factor = "
+                f"{fmt(dev.sub_seq)} x {k} / {experts} x {cfg.capacity_factor:g} = {raw:.3g}, "
+                "under one token per expert (rounded up to 1).",
+                [fix(capacity_factor=needed), DROPLESS_FIX],
+            )
+        ]
+    dropped = poisson_drop_fraction(dev.expected_tokens_per_expert, cap)
+    if dropped <= DROP_WARNING_FRACTION:
+        return []
+    enough = _factor_for(dev, cfg, DROP_WARNING_FRACTION)
+    fixes = [fix(capacity_factor=enough)] if enough else []
+    return [
+        warning(
+            "DROPS_LIKELY",
+            "capacity_factor",
+            f"Each subgroup of {fmt(dev.sub_seq)} tokens expects "
+            f"{dev.expected_tokens_per_expert:.3g} tokens per expert against a capacity of "
+            f"{cap}; even perfectly uniform routing would drop about {dropped:.1%} of "
+            "assignments (real routing drops more).",
+            [*fixes, DROPLESS_FIX],
+        )
+    ]
+
+
+def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
+    """What one device holds: every MoE layer's weights, gradients and optimizer state
+    at rest, plus the block's peak (input, output, temporaries), against the chip."""
+    if est.fits:
+        return []
+    gib = 2**30
+    weights = est.memory.arguments - est.input_bytes
+    block = est.device_bytes - est.state_bytes
+    state_bigger = est.state_bytes >= block
+    fixes = [
+        fix(param_dtype="bfloat16"),
+        fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
+    ]
+    return [
+        error(
+            "MEMORY_EXCEEDED",
+            "dispatch",
+            f"dispatch={est.name} needs about {est.device_bytes / gib:.1f} GiB per device, more "
+            f"than the {cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}: "
+            f"{est.state_bytes / gib:.1f} GiB for {cfg.num_moe_layers} MoE layers at rest "
+            f"({weights / gib:.3g} GiB of weights each"
+            + (
+                f", with their gradients and {cfg.optimizer_bytes_per_param:g} optimizer bytes "
+                "per parameter"
+                if est.memory.outputs > est.input_bytes
+                else ""
+            )
+            + f") and {block / gib:.1f} GiB for one block's activations and temporaries; "
+            + (
+                "the weights' state dominates: shard it over more devices."
+                if state_bigger
+                else "the activations dominate: raise cp or the batch shards, or lower "
+                "per_device_batch_size."
+            ),
+            fixes,
+        )
+    ]
+
+
+def capacity_costly(cfg: Config, strategy: Dispatch, chosen: Estimate, estimates) -> list[Finding]:
+    """The capacity path chosen for capacity_factor > 0 although a dropless candidate
+    is far cheaper: honoured, never silently."""
+    if strategy is not Dispatch.subgroup_capacity or cfg.dispatch is not Dispatch.auto:
+        return []
+    dropless = [e for (s, _), e in estimates.items() if s in DROPLESS and s is not Dispatch.mlp]
+    dropless = [e for e in dropless if e.fits]
+    if not dropless:
+        return []
+    best = min(dropless, key=lambda e: e.time_s)
+    slower = chosen.time_s / best.time_s
+    bigger = chosen.device_bytes / best.device_bytes
+    if max(slower, bigger) < CAPACITY_COSTLY_RATIO:
+        return []
+    return [
+        warning(
+            "CAPACITY_COSTLY",
+            "capacity_factor",
+            f"capacity_factor={cfg.capacity_factor:g} asks for capacity-limited routing, so "
+            f"subgroup_capacity runs: about {chosen.time_s * 1e3:.3g} ms and "
+            f"{chosen.device_bytes / 2**30:.3g} GiB per device, where the dropless {best.name} "
+            f"would take {best.time_s * 1e3:.3g} ms and {best.device_bytes / 2**30:.3g} GiB "
+            f"({slower:.1f}x the time, {bigger:.1f}x the memory).",
+            [fix("dropless routing, unless you need the capacity semantics", capacity_factor=-1.0)],
+        )
+    ]
+
+
+def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) -> list[Finding]:
+    """An explicit expert_exchange=all_to_all the block cannot honour, and expert groups
+    that do not split num_experts evenly."""
+    if cfg.expert_exchange is not Exchange.all_to_all:
+        return []
+    placed = options.get(Exchange.all_to_all)
+    gather = fix(expert_exchange=Exchange.gather)
+    if strategy is not Dispatch.megablox and cfg.dispatch is not Dispatch.auto:
+        return [
+            error(
+                "EXCHANGE_NEEDS_MEGABLOX",
+                "expert_exchange",
+                f"expert_exchange=all_to_all sends routed rows to their experts' owners, which "
+                f"only the megablox dispatch does; dispatch={strategy.value} computes every "
+                "expert on every device.",
+                [fix(dispatch=Dispatch.megablox, capacity_factor=-1.0), gather],
+            )
+        ]
+    if placed is not None:
+        return []
+    from ..placement import expert_group
+
+    group, _ = expert_group(mesh, fold_sequence=cfg.expert_group is not ExpertGroup.expert)
+    size = mesh.product(group)
+    if size <= 1:
+        return [
+            error(
+                "EXPERT_GROUP_EMPTY",
+                "expert_exchange",
+                "expert_exchange=all_to_all needs an expert group: an expert axis or a "
+                "sequence axis of size > 1 that splits the tokens (the mesh has none).",
+                [gather],
+            )
+        ]
+    shown = " x ".join(f"{a}={mesh.size(a)}" for a in group)
+    return [
+        error(
+            "EXPERTS_NOT_DIVISIBLE_BY_GROUP",
+            "expert_group",
+            f"num_experts={cfg.num_experts} does not split over the expert group ({shown} = "
+            f"{size} devices).",
+            [fix(expert_group=ExpertGroup.expert), gather],
+        )
+    ]
