@@ -254,7 +254,22 @@ class MoEBlock(nnx.Module):
         )
 
     def __call__(self, x_BSM):
+        self.check_input(x_BSM.shape)
         return sharded_forward(self.plan.strategy, self.layout, self.spec, x_BSM, self.weights())
+
+    def check_input(self, shape) -> None:
+        """The plan was resolved for one global (batch, sequence): its per-device numbers,
+        capacity and estimates hold only for that shape, so another is an error."""
+        dev = self.plan.per_device
+        want = (round(dev.global_batch), dev.seq_len, self.spec.emb)
+        if tuple(shape) != want:
+            raise ValueError(
+                f"MoEBlock input {tuple(shape)} is not the (batch, sequence, emb) = {want} its "
+                f"plan was resolved for (per_device_batch_size x {dev.num_devices} devices, "
+                f"max_target_length, base_emb_dim). Resolve the plan for this input: "
+                f"per_device_batch_size={shape[0] / dev.num_devices:g} "
+                f"max_target_length={shape[1]} base_emb_dim={shape[-1]}."
+            )
 
 
 class MlpBlock(nnx.Module):

@@ -58,13 +58,15 @@ def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
         layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
 
 
-def test_block_rejects_inputs_the_mesh_cannot_split(jax_cpu8):
+def test_block_rejects_inputs_its_plan_was_not_resolved_for(jax_cpu8):
     cfg = selector.compose(
         ["model=tiny", "mesh=cpu_8", "per_device_batch_size=0.25", "ici_context_parallelism=4"]
     )
     model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="not divisible by cp=4"):
+    with pytest.raises(ValueError, match="max_target_length=30 base_emb_dim=64"):
         model(jnp.zeros((2, 30, 64)))
+    with pytest.raises(ValueError, match="per_device_batch_size=0.5 "):
+        model(jnp.zeros((4, 2048, 64)))
 
 
 def test_parameter_names_and_shapes_follow_maxtext(jax_cpu8):
@@ -81,7 +83,15 @@ def test_parameter_names_and_shapes_follow_maxtext(jax_cpu8):
 
 
 def test_one_expert_is_a_plain_mlp(jax_cpu8):
-    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "num_experts=1", "num_experts_per_tok=1"])
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "mesh=cpu_8",
+            "num_experts=1",
+            "num_experts_per_tok=1",
+            "max_target_length=16",
+        ]
+    )
     model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0))
     assert model.plan.strategy is selector.Dispatch.mlp
     mlp = layers.MlpBlock(64, 128, rngs=nnx.Rngs(1))

@@ -1,0 +1,262 @@
+"""Train a small long-context MoE language model with context parallelism on the block.
+
+    python -m examples.train model=tiny mesh=cpu_8 ici_context_parallelism=4 \\
+        per_device_batch_size=0.25 max_target_length=2048 train.steps=20
+
+One Hydra app on this project's config tree (`conf/train.yaml`: every selector setting,
+MaxText spelling, plus a `train:` node). The selector checks the config first: a config
+it rejects stops with its findings and exit 1 before anything is compiled. Then the
+model is created sharded, trained with optax AdamW on a Markov language whose loss
+floor is known (examples/data.py), with a progress bar and a per-step log (loss,
+load-balance loss, dropped fraction, tokens/s), and the run's JSON and a PNG of its loss
+curves are written to Hydra's output folder.
+
+Importable too: `setup(config, settings, mesh)` and `Trainer.step()` are what the
+tests and bench.train_memory use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+import selector
+from selector.config import Config
+from selector.report import render_text
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 20
+    learning_rate: float = 3e-3
+    seed: int = 0  # initial weights
+    data_seed: int = 0  # the Markov language and the batches
+    vocab: int = 64
+    layers: int = 2
+    heads: int = 4
+    load_balance_loss_weight: float = 0.01  # MaxText's name; the balance loss in the objective
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig(Config):
+    """The selector's settings plus the training ones (the `train:` node)."""
+
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def split(cfg) -> tuple[Config, TrainSettings]:
+    """(the selector's typed Config, the training settings) from the composed config."""
+    settings = TrainSettings(**OmegaConf.to_container(cfg.train))
+    rest = {k: cfg[k] for k in cfg if k != "train"}
+    return selector.to_config(rest), settings
+
+
+@dataclass
+class Trainer:
+    """A built model and its jitted step; `step(i)` trains on batch i and returns its
+    metrics (floats)."""
+
+    model: object
+    params: object
+    rest: object
+    opt_state: object
+    step_fn: object
+    language: object
+    token_sharding: object
+    batch: int
+    seq: int
+    seed: int
+
+    def step(self, i: int) -> dict:
+        import jax
+
+        tokens = self.language.batch(i, self.batch, self.seq, self.seed)
+        inputs, targets = (
+            jax.device_put(t, self.token_sharding) for t in (tokens[:, :-1], tokens[:, 1:])
+        )
+        start = time.perf_counter()
+        self.params, self.opt_state, metrics = self.step_fn(
+            self.params, self.opt_state, self.rest, inputs, targets
+        )
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics["tokens_per_s"] = self.batch * self.seq / (time.perf_counter() - start)
+        return metrics
+
+
+def setup(config: Config, settings: TrainSettings, mesh) -> Trainer:
+    """Resolve the plan on the live mesh, create the model and optimizer state sharded,
+    and jit the step (the step compiles once; later steps reuse it)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from examples.data import MarkovLanguage
+    from examples.lm import MoELanguageModel
+
+    plan = selector.resolve(config, mesh)
+    model = MoELanguageModel(
+        config,
+        plan,
+        mesh,
+        vocab=settings.vocab,
+        layers_=settings.layers,
+        heads=settings.heads,
+        rngs=nnx.Rngs(settings.seed),
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer = optax.adamw(settings.learning_rate)
+    # Optimizer state created in its shardings: each moment rests like its parameter,
+    # anything else (the step count) replicated; no device holds a full replica.
+    replicated = model.layout.named(P())
+    opt_shardings = optax.tree_map_params(
+        optimizer,
+        lambda _, p: p.sharding,
+        jax.eval_shape(optimizer.init, params),
+        params,
+        transform_non_params=lambda _: replicated,
+    )
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    lb_weight = settings.load_balance_loss_weight
+
+    def loss_fn(params, rest, inputs, targets):
+        lm = nnx.merge(graphdef, params, rest)
+        logits, stats = lm(inputs)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        lb = jnp.mean(jnp.stack([s["load_balance_loss"] for s in stats]))
+        dropped = jnp.mean(jnp.stack([s["dropped_fraction"] for s in stats]))
+        return ce + lb_weight * lb, {"loss": ce, "load_balance_loss": lb, "dropped": dropped}
+
+    def train_step(params, opt_state, rest, inputs, targets):
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(params, rest, inputs, targets)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    lay = model.layout
+    token_sharding = lay.named(P(*lay.x_BSM[:2]))
+    dev = plan.per_device
+
+    def shardings(tree):
+        return jax.tree.map(lambda a: a.sharding, tree)
+
+    # The step hands back parameters and optimizer state in exactly the shardings they
+    # came in (their at-rest ones), so the next step finds its compiled program.
+    step_fn = jax.jit(
+        train_step,
+        in_shardings=(
+            shardings(params),
+            shardings(opt_state),
+            shardings(rest),
+            token_sharding,
+            token_sharding,
+        ),
+        out_shardings=(shardings(params), shardings(opt_state), lay.named(P())),
+        donate_argnums=(0, 1),
+    )
+    return Trainer(
+        model=model,
+        params=params,
+        rest=rest,
+        opt_state=opt_state,
+        step_fn=step_fn,
+        language=MarkovLanguage(settings.vocab, settings.data_seed),
+        token_sharding=token_sharding,
+        batch=round(dev.global_batch),
+        seq=dev.seq_len,
+        seed=settings.data_seed,
+    )
+
+
+def write_outputs(out: Path, config: Config, settings, plan, history, floor: float) -> list:
+    """The run's JSON and a PNG of its loss curves."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "settings": asdict(settings),
+        "plan": plan.as_dict(),
+        "loss_floor": floor,
+        "steps": history,
+    }
+    paths = [out / "run.json"]
+    paths[0].write_text(json.dumps(payload, indent=1, default=str))
+    if settings.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        steps = range(1, len(history) + 1)
+        ax.plot(steps, [h["loss"] for h in history], "o-", label="cross-entropy")
+        ax.plot(steps, [h["load_balance_loss"] for h in history], "s--", label="load-balance loss")
+        ax.axhline(floor, color="gray", ls=":", label=f"loss floor {floor:.3f}")
+        ax.set(xlabel="step", ylabel="nats", title=f"{config.model_name}, cp={plan.cp}")
+        ax.legend()
+        fig.savefig(out / "loss.png", dpi=110, bbox_inches="tight")
+        paths.append(out / "loss.png")
+    return paths
+
+
+def run(cfg) -> int:
+    config, settings = split(cfg)
+    plan, findings = selector.api.analyse_any(config)
+    if plan is None or selector.findings.errors_in(findings):
+        print(render_text(config, plan, findings))
+        print("\nerror: the selector rejects this config; nothing was compiled.", file=sys.stderr)
+        return 1
+    if config.hardware.platform == "cpu" and "jax" not in sys.modules:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={plan.mesh.num_devices}".strip()
+        )
+    from tqdm import tqdm
+
+    import layers
+
+    mesh = layers.mesh_for_plan(plan)
+    trainer = setup(config, settings, mesh)
+    history = []
+    bar = tqdm(range(settings.steps), desc=f"train cp={plan.cp}", unit="step")
+    for i in bar:
+        m = trainer.step(i)
+        history.append(m)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", lb=f"{m['load_balance_loss']:.3f}")
+        tqdm.write(
+            f"step {i + 1:4d}  loss {m['loss']:.4f}  load-balance {m['load_balance_loss']:.4f}  "
+            f"dropped {m['dropped']:.2%}  {m['tokens_per_s']:,.0f} tokens/s"
+        )
+    out = Path(HydraConfig.get().runtime.output_dir)
+    paths = write_outputs(out, config, settings, plan, history, trainer.language.floor)
+    print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (floor "
+          f"{trainer.language.floor:.3f}); wrote {', '.join(map(str, paths))}")
+    return 0
+
+
+def main() -> None:
+    register()
+    status = {"code": 0}
+
+    @hydra.main(version_base=None, config_path=str(selector.conf_dir()), config_name="train")
+    def app(cfg) -> None:
+        status["code"] = run(cfg)
+
+    app()
+    sys.exit(status["code"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The training example: the same loss at every cp (attention, MoE and optimizer
+included), one compiled step, state created sharded, and a rejected config stopping
+before anything compiles."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from subproc import ROOT
+
+import layers
+import selector
+from examples.train import TrainSettings, setup
+
+BATCH, SEQ, STEPS = 8, 256, 3
+MESHES = {
+    "data8": {"data": 8},
+    "data2_cp4": {"data": 2, "context": 4},
+    "data2_ulysses2_cp2": {"data": 2, "context_usp_ulysses": 2, "context": 2},
+}
+SETTINGS = TrainSettings(steps=STEPS, vocab=32, layers=2, heads=2, learning_rate=3e-3)
+
+
+def config(*extra: str):
+    return selector.to_config(
+        selector.compose(
+            [
+                "model=tiny",
+                "mesh=cpu_8",
+                "dtype=float32",
+                f"per_device_batch_size={BATCH / 8}",
+                f"max_target_length={SEQ}",
+                "allow_local_batch_inflation=true",  # one global batch on every mesh
+                "expert_exchange=gather",
+                *extra,
+            ]
+        )
+    )
+
+
+def losses(mesh_name: str, *extra: str) -> tuple[list[dict], object]:
+    trainer = setup(config(*extra), SETTINGS, layers.make_mesh(MESHES[mesh_name]))
+    return [trainer.step(i) for i in range(STEPS)], trainer
+
+
+_runs: dict = {}
+
+
+def run(mesh_name: str, *extra: str):
+    key = (mesh_name, extra)
+    if key not in _runs:
+        _runs[key] = losses(mesh_name, *extra)
+    return _runs[key]
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("mesh_name", ["data2_cp4", "data2_ulysses2_cp2"])
+def test_same_loss_at_every_cp(jax_cpu8, mesh_name):
+    base, _ = run("data8")
+    other, _ = run(mesh_name)
+    assert base[-1]["loss"] < base[0]["loss"]  # it learns
+    for step, (a, b) in enumerate(zip(other, base, strict=True)):
+        for key in ("loss", "load_balance_loss"):
+            assert relative(a[key], b[key]) <= 1e-5, (step, key, a[key], b[key])
+
+
+def test_capacity_path_same_loss_when_no_subgroup_overflows(jax_cpu8):
+    """subgroup_capacity applies capacity per sequence shard (per device's sub-sequence),
+    so at cp=4 its subgroups are a quarter of cp=1's: with drops the two runs differ by
+    design. With a capacity no subgroup can overflow (capacity_factor = E / k) they must
+    agree, and both must report no drops."""
+    extra = ("dispatch=subgroup_capacity", "capacity_factor=4.0")
+    base, _ = run("data8", *extra)
+    cp4, _ = run("data2_cp4", *extra)
+    for step, (a, b) in enumerate(zip(cp4, base, strict=True)):
+        assert a["dropped"] == b["dropped"] == 0.0
+        assert relative(a["loss"], b["loss"]) <= 1e-5, (step, a["loss"], b["loss"])
+
+
+def test_steps_after_the_first_do_not_recompile(jax_cpu8):
+    _, trainer = run("data2_cp4")
+    assert trainer.step_fn._cache_size() == 1
+
+
+def test_parameters_and_optimizer_state_are_created_sharded(jax_cpu8):
+    _, trainer = run("data2_cp4")
+    params = jax.tree.leaves(trainer.params)
+    big = [p for p in params if p.size >= 64 * 64]
+    assert big and all(not p.sharding.is_fully_replicated for p in big)
+    mu = jax.tree.leaves(trainer.opt_state[0].mu)
+    for p, m in zip(params, mu, strict=True):
+        assert m.sharding.is_equivalent_to(p.sharding, p.ndim)
+
+
+def test_a_rejected_config_stops_before_compiling(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.train",
+            "ici_context_parallelism=4",
+            "per_device_batch_size=1",
+            "max_target_length=2048",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "LOCAL_BATCH_INFLATION" in out.stdout and "nothing was compiled" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_loss_floor_is_the_entropy_of_the_language():
+    from examples.data import MarkovLanguage
+
+    lang = MarkovLanguage(16, seed=1)
+    tokens = lang.batch(0, 64, 512)
+    counts = np.zeros((16, 16))
+    for row in tokens:
+        for a, b in zip(row[:-1], row[1:], strict=True):
+            counts[a, b] += 1
+    freq = counts / counts.sum(1, keepdims=True)
+    logs = np.log(np.where(freq > 0, freq, 1.0))
+    empirical = -(freq * logs).sum(axis=1).mean()
+    assert abs(empirical - lang.floor) < 0.02
