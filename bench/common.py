@@ -52,17 +52,28 @@ def block_overrides(
     ]
 
 
-def median_time(fn, *args, runs: int = 5) -> tuple[float, list[float]]:
-    """Median wall time of `runs` calls after one warm-up (compile) call."""
+def interleaved(fns: dict, runs: int = 5) -> dict[str, list[float]]:
+    """Wall times of several jitted calls measured in alternation: each is warmed up
+    (compiled) once, then every round times each of them once, in a rotating order, so
+    a slow spell of this shared machine hits them alike. {name: [seconds per run]}."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
+    for fn, args in fns.values():
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(runs):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, args = fns[name]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(values) -> float:
+    """The median (the mean of the two middle values for an even count)."""
+    return statistics.median(values)
 
 
 def machine() -> dict:

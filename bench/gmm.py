@@ -1,6 +1,11 @@
 """Grouped matmul alone, fwd+bwd: ours (tiled_gmm) vs jax.lax.ragged_dot vs the dense
 matmul of the same work, on 16,384 routed rows, emb 512, hidden 1024, float32.
 
+Each point is timed in alternation with the dense matmul (bench.common.interleaved), so
+its ratio compares runs under the same load; the group sizes are a runtime argument,
+as in the block (closed-over sizes would be compile-time constants XLA can exploit).
+Ratios are of medians of `--runs` runs each.
+
     python -m bench.gmm
 """
 
@@ -12,7 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import GMM_COLUMNS, load, log_x_axis, machine, median_time, pyplot, save, table
+from bench.common import (
+    GMM_COLUMNS,
+    interleaved,
+    load,
+    log_x_axis,
+    machine,
+    median,
+    pyplot,
+    save,
+    table,
+)
 from layers.grouped_matmul import gmm
 
 ROWS, EMB, HIDDEN = 16384, 512, 1024
@@ -31,41 +46,37 @@ def group_sizes(kind: str, experts: int) -> np.ndarray:
 
 
 def fwd_bwd(matmul):
-    return jax.jit(jax.grad(lambda x, w: jnp.sum(matmul(x, w) ** 2), argnums=(0, 1)))
+    """jit(d/d(x, w) of sum(matmul(x, w, group_sizes)^2)), group sizes a runtime input."""
+    return jax.jit(jax.grad(lambda x, w, gs: jnp.sum(matmul(x, w, gs) ** 2), argnums=(0, 1)))
 
 
-def timed(fn, args, runs):
-    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    t, times = median_time(fn, *args, runs=runs)
-    return t, times, temp
+def temp_bytes(fn, args) -> int:
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
 def plot(payload: dict):
     rows = payload["rows"]
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for backend, kind, style in (
-        ("tiled_gmm", "uniform", "o-"),
-        ("tiled_gmm", "zipf", "s--"),
-        ("tiled_gmm", "all_to_one", "^:"),
-        ("ragged_dot", "uniform", "x-"),
-    ):
-        pts = [r for r in rows if r["backend"] == backend and r["routing"] == kind]
-        ax.plot(
-            [r["experts"] for r in pts],
-            [r["vs_dense"] for r in pts],
-            style,
-            label=f"{backend}, {kind}",
-        )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set(
-        yscale="log",
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, style in (("uniform", "o-"), ("zipf", "s--"), ("all_to_one", "^:")):
+        pts = [r for r in rows if r["backend"] == "tiled_gmm" and r["routing"] == kind]
+        left.plot([r["experts"] for r in pts], [r["vs_dense"] for r in pts], style, label=kind)
+    left.axhline(1.0, color="gray", lw=0.8, label="dense matmul (baseline)")
+    left.set(
         xlabel="experts E",
         ylabel="fwd+bwd time / dense matmul",
-        title=f"grouped matmul, {ROWS} rows, {EMB}x{HIDDEN}, one CPU device",
+        title="tiled_gmm (ours)",
+        ylim=(0, max(1.6, max(r["vs_dense"] for r in rows if r["backend"] == "tiled_gmm") * 1.1)),
     )
-    log_x_axis(ax, (8, 32, 64))
-    ax.legend(fontsize=7)
+    log_x_axis(left, (8, 32, 64))
+    left.legend(fontsize=7)
+    pts = [r for r in rows if r["backend"] == "ragged_dot"]
+    right.plot([r["experts"] for r in pts], [r["vs_dense"] for r in pts], "x-", label="uniform")
+    right.axhline(1.0, color="gray", lw=0.8, label="dense matmul (baseline)")
+    right.set(yscale="log", xlabel="experts E", title="jax.lax.ragged_dot on XLA:CPU")
+    log_x_axis(right, (8, 32, 64))
+    right.legend(fontsize=7)
+    fig.suptitle(f"grouped matmul, {ROWS} rows, {EMB}x{HIDDEN}, one CPU device", fontsize=10)
     return fig
 
 
@@ -79,34 +90,40 @@ def main() -> None:
         return
     x = jax.random.normal(jax.random.key(0), (ROWS, EMB))
     w_dense = jax.random.normal(jax.random.key(1), (EMB, HIDDEN)) * 0.02
-    dense_t, dense_times, dense_temp = timed(fwd_bwd(lambda x, w: x @ w), (x, w_dense), args.runs)
-    print(f"dense matmul of the same work: {dense_t:.3f} s", flush=True)
-    rows = []
+    one_group = jnp.asarray([ROWS], jnp.int32)
+    dense = (fwd_bwd(lambda x, w, gs: x @ w), (x, w_dense, one_group))
+    dense_temp = temp_bytes(*dense)
+    rows, dense_times = [], []
     for experts in (8, 32, 64):
         w = jax.random.normal(jax.random.key(2), (experts, EMB, HIDDEN)) * 0.02
         for kind in ("uniform", "zipf", "all_to_one"):
             gs = jnp.asarray(group_sizes(kind, experts))
             backends = ("tiled_gmm", "ragged_dot") if kind == "uniform" else ("tiled_gmm",)
             for backend in backends:
-                fn = fwd_bwd(lambda x, w, gs=gs, b=backend: gmm(x, w, gs, b))
-                t, times, temp = timed(fn, (x, w), args.runs)
+                point = (fwd_bwd(lambda x, w, gs, b=backend: gmm(x, w, gs, b)), (x, w, gs))
+                times = interleaved({"point": point, "dense": dense}, args.runs)
+                t, base = median(times["point"]), median(times["dense"])
+                dense_times += times["dense"]
+                temp = temp_bytes(*point)
                 rows.append(
                     {
                         "backend": backend,
                         "experts": experts,
                         "routing": kind,
                         "median_s": t,
-                        "times_s": times,
-                        "vs_dense": t / dense_t,
+                        "times_s": times["point"],
+                        "dense_median_s": base,
+                        "vs_dense": t / base,
                         "temp_mib": temp / 2**20,
                         "temp_vs_dense": temp / dense_temp,
                     }
                 )
                 print(
                     f"  E={experts:<3} {kind:<10} {backend:<10} {t:7.3f} s "
-                    f"({t / dense_t:.2f}x dense)",
+                    f"({t / base:.2f}x the dense matmul timed beside it)",
                     flush=True,
                 )
+    dense_t = median(dense_times)
     print(table(rows, GMM_COLUMNS))
     payload = {
         "machine": machine(),

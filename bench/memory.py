@@ -1,175 +1,188 @@
-"""Per-device temp memory of the MoE block (fwd+bwd) against context parallelism.
+"""Per-device memory of the MoE block's fwd+bwd against context parallelism, weights
+included, gathered against exchanged (expert parallel, the context devices folded into
+the expert group), next to the flatten baseline and the selector's prediction.
 
-For cp in {1, 2, 4, 8} on a (data=1, context=cp) mesh, one long sequence (a fixed
-global batch and sequence): XLA's compiled `memory_analysis().temp_size_in_bytes` per
-device for each strategy, next to the flatten baseline (what today's frameworks do)
-and the selector's predicted per-device memory. It also fits the selector's memory
-calibration (printed; copy it into selector/cost.py) and checks it on a held-out shape.
+For cp in {1, 2, 4, 8} on a (data=1, context=cp) mesh, one sequence (a fixed global
+batch and sequence): XLA's compiled per-device argument and temp bytes
+(`memory_analysis()`), so the weights a device holds count. Also the wall time of the
+exchanged block's fwd+bwd against the gathered one's on this CPU (interleaved runs, a
+ratio of medians).
 
     python -m bench.memory
 """
 
 from __future__ import annotations
 
-from bench.common import (
-    CP_RATIO_COLUMNS,
-    MEMORY_COLUMNS,
-    block_overrides,
-    log_x_axis,
-    machine,
-    pyplot,
-    save,
-    table,
-    use_cpu_devices,
-)
+import argparse
+
+from bench.common import use_cpu_devices
 
 use_cpu_devices(8)
 
-import numpy as np  # noqa: E402
+import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import layers  # noqa: E402
 import selector  # noqa: E402
-from layers.programs import compile_fwd_bwd  # noqa: E402
-from selector.cost import activation_parts, problem_shape, weight_bytes  # noqa: E402
+from bench.common import (  # noqa: E402
+    interleaved,
+    load,
+    log_x_axis,
+    machine,
+    median,
+    pyplot,
+    save,
+    table,
+)
+from bench.points import Point, measure  # noqa: E402
+from layers.programs import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
+from selector.cost import temp_from_parts  # noqa: E402
 
-STRATEGIES = ("dense", "subgroup_capacity", "megablox")
-MAIN = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
-HOLDOUT = dict(seq=4096, emb=128, hidden=384, experts=8, top_k=2)
-CAPACITY_FACTOR = 1.25
+SHAPE = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
+CPS = (1, 2, 4, 8)
+VARIANTS = (
+    ("dense", "gather"),
+    ("subgroup_capacity", "gather"),
+    ("megablox", "gather"),
+    ("megablox", "all_to_all"),
+)
+COLUMNS = [
+    ("variant", "variant"),
+    ("cp", "cp"),
+    ("tokens_per_device", "tokens/device"),
+    ("arguments_mib", "args MiB"),
+    ("temp_mib", "temp MiB"),
+    ("total_mib", "args+temp MiB"),
+    ("predicted_mib", "selector MiB"),
+    ("error", "selector error"),
+]
+RATIO_COLUMNS = [("variant", "variant"), ("cp1", "cp=1 MiB"), ("cp4", "cp=4 MiB"),
+                 ("ratio", "cp=4 / cp=1")]
+TIME_COLUMNS = [("cp", "cp"), ("gathered_s", "gathered s"), ("exchanged_s", "exchanged s"),
+                ("ratio", "exchanged / gathered")]
 
 
-def build(strategy: str, cp: int, shape: dict):
-    """(typed config, block) for one point of the study."""
-    cfg = selector.compose(
-        block_overrides(
-            strategy,
-            emb=shape["emb"],
-            hidden=shape["hidden"],
-            experts=shape["experts"],
-            top_k=shape["top_k"],
-            seq=shape["seq"],
-            per_device_batch_size=1 / cp,
-            capacity_factor=CAPACITY_FACTOR,
-        )
+def point(strategy: str, exchange: str, cp: int) -> Point:
+    return Point(strategy, {"data": 1, "context": cp}, exchange=exchange,
+                 capacity_factor=1.25, **SHAPE)
+
+
+def name(strategy: str, exchange: str) -> str:
+    return f"megablox/{exchange}" if strategy == "megablox" else strategy
+
+
+def flatten_row(cp: int) -> dict:
+    """Today's frameworks' block: the same megablox computation on (batch x sequence)
+    flattened and sorted globally under plain jit."""
+    p = point("megablox", "gather", cp)
+    cfg = selector.compose(p.overrides())
+    block = nnx.eval_shape(
+        lambda: layers.MoEBlock(cfg, mesh=layers.make_mesh(p.mesh), rngs=nnx.Rngs(0))
     )
-    mesh = layers.make_mesh({"data": 1, "context": cp})
-    return selector.to_config(cfg), layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    m = compile_fwd_bwd(block, 1, p.seq, flatten_baseline=True).memory_analysis()
+    return {
+        "variant": "flatten (baseline)",
+        "cp": cp,
+        "tokens_per_device": p.seq // cp,
+        "arguments_mib": m.argument_size_in_bytes / 2**20,
+        "temp_mib": m.temp_size_in_bytes / 2**20,
+        "total_mib": (m.argument_size_in_bytes + m.temp_size_in_bytes) / 2**20,
+    }
 
 
-def measure(shape: dict, cps=(1, 2, 4, 8)) -> list[dict]:
-    rows = []
-    for cp in cps:
-        for strategy in (*STRATEGIES, "flatten"):
-            cfg, model = build("megablox" if strategy == "flatten" else strategy, cp, shape)
-            program = compile_fwd_bwd(
-                model, 1, shape["seq"], flatten_baseline=strategy == "flatten"
-            )
-            temp = program.memory_analysis().temp_size_in_bytes
-            row = {
-                "strategy": strategy,
+def rows_for(cp: int) -> list[dict]:
+    out = []
+    for strategy, exchange in VARIANTS:
+        if exchange == "all_to_all" and cp == 1:
+            continue  # no expert group on one device: the same program as gathered
+        m = measure(point(strategy, exchange, cp))
+        predicted = m["predicted_arguments"] + temp_from_parts(m["key"], m["parts"])
+        total = m["arguments"] + m["temp"]
+        out.append(
+            {
+                "variant": name(strategy, exchange),
                 "cp": cp,
-                "tokens_per_device": shape["seq"] // cp,
-                "temp_mib": temp / 2**20,
+                "tokens_per_device": m["tokens_per_device"],
+                "arguments_mib": m["arguments"] / 2**20,
+                "temp_mib": m["temp"] / 2**20,
+                "total_mib": total / 2**20,
+                "predicted_mib": predicted / 2**20,
+                "error": f"{predicted / total - 1:+.1%}",
             }
-            if strategy != "flatten":
-                plan = model.plan
-                est = next(c.estimate for c in plan.candidates if c.strategy.value == strategy)
-                p = problem_shape(cfg, plan.mesh, plan.per_device)
-                row["hand_parts"] = activation_parts(plan.strategy, p)
-                row["weight_bytes"] = weight_bytes(plan.strategy, p)
-                row["temp_bytes"] = temp
-                row["predicted_mib"] = est.memory_bytes / 2**20
-                row["error"] = est.memory_bytes / temp - 1
-            rows.append(row)
-            print(f"  {strategy:<18} cp={cp}: {temp / 2**20:9.1f} MiB", flush=True)
-    return rows
+        )
+    out.append(flatten_row(cp))
+    return out
 
 
-def fit_calibration(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per strategy, non-negative coefficients on (rows, masks, weights) minimising the
-    relative error of the predicted temp bytes (a column that fits negative is dropped)."""
-    fitted = {}
-    for s in STRATEGIES:
-        pts = [r for r in rows if r["strategy"] == s]
-        meas = np.array([r["temp_bytes"] for r in pts], float)
-        cols = {
-            "rows": [r["hand_parts"]["rows"] for r in pts],
-            "masks": [r["hand_parts"]["masks"] for r in pts],
-            "weights": [r["weight_bytes"] for r in pts],
-        }
-        names = [k for k, v in cols.items() if any(v)]
-        while True:
-            design = np.array([cols[k] for k in names], float).T / meas[:, None]
-            coef, *_ = np.linalg.lstsq(design, np.ones(len(pts)), rcond=None)
-            if (coef >= 0).all() or len(names) == 1:
-                break
-            names.pop(int(np.argmin(coef)))
-        fitted[s] = {
-            k: round(float(dict(zip(names, coef, strict=True)).get(k, 0.0)), 3) for k in cols
-        }
-    return fitted
+def timing(cp: int, runs: int) -> dict:
+    """Median fwd+bwd wall time, exchanged against gathered, timed in alternation."""
+    fns = {}
+    for exchange in ("gather", "all_to_all"):
+        p = point("megablox", exchange, cp)
+        block = layers.MoEBlock(
+            selector.compose(p.overrides()), mesh=layers.make_mesh(p.mesh), rngs=nnx.Rngs(0)
+        )
+        x = jax.random.normal(jax.random.key(1), (1, p.seq, p.emb))
+        x = jax.device_put(x, block.layout.named(block.layout.x_BSM))
+        fn = jax.jit(jax.grad(fwd_bwd_loss(block_forward(block)), argnums=(0, 1)))
+        fns[exchange] = (fn, (block.weights(), x))
+    times = interleaved(fns, runs)
+    gathered, exchanged = median(times["gather"]), median(times["all_to_all"])
+    return {"cp": cp, "gathered_s": gathered, "exchanged_s": exchanged,
+            "ratio": exchanged / gathered, "times": times}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    by = {(r["variant"], r["cp"]): r for r in rows}
+    out = []
+    for variant in [name(s, e) for s, e in VARIANTS] + ["flatten (baseline)"]:
+        one = by.get((variant, 1)) or by.get(("megablox/gather", 1))  # EP at cp=1 = gathered
+        four = by[(variant, 4)]
+        out.append({"variant": variant, "cp1": one["total_mib"], "cp4": four["total_mib"],
+                    "ratio": four["total_mib"] / one["total_mib"]})
+    return out
+
+
+def plot(payload: dict):
+    rows = payload["rows"]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for variant in [name(s, e) for s, e in VARIANTS]:
+        pts = [r for r in rows if r["variant"] == variant]
+        line = ax.plot([r["cp"] for r in pts], [r["total_mib"] for r in pts], "o-", label=variant)
+        ax.plot([r["cp"] for r in pts], [r["predicted_mib"] for r in pts], "x:",
+                color=line[0].get_color())
+    base = [r for r in rows if r["variant"] == "flatten (baseline)"]
+    ax.plot([r["cp"] for r in base], [r["total_mib"] for r in base], "--", color="gray", lw=2,
+            label="flatten baseline (today's frameworks)")
+    ax.set(yscale="log", xlabel="context parallelism cp (one sequence of "
+           f"{payload['shape']['seq']} tokens)", ylabel="args + temp MiB per device (fwd+bwd)",
+           title="MoE block memory vs cp, weights included (x: selector)")
+    log_x_axis(ax, CPS)
+    ax.legend(fontsize=7)
+    return fig
 
 
 def main() -> None:
-    print("memory study: fwd+bwd temp MiB per device, (data=1, context=cp), one sequence")
-    rows = measure(MAIN)
-    holdout = measure(HOLDOUT, cps=(1, 4))
-    by = {(r["strategy"], r["cp"]): r for r in rows}
-    summary = []
-    for s in (*STRATEGIES, "flatten"):
-        r1, r4 = by[(s, 1)], by[(s, 4)]
-        summary.append(
-            {
-                "strategy": s,
-                "cp1": r1["temp_mib"],
-                "cp4": r4["temp_mib"],
-                "ratio": r4["temp_mib"] / r1["temp_mib"],
-            }
-        )
-    print(table(rows, MEMORY_COLUMNS))
-    print("\nheld-out shape", HOLDOUT)
-    print(table(holdout, MEMORY_COLUMNS))
-    fitted = fit_calibration(rows)
-    print("\nfitted MEMORY_CALIBRATION (selector/cost.py):", fitted)
-    print("\ncp=4 / cp=1")
-    print(table(summary, CP_RATIO_COLUMNS))
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for s in (*STRATEGIES, "flatten"):
-        pts = [r for r in rows if r["strategy"] == s]
-        ax.plot([r["cp"] for r in pts], [r["temp_mib"] for r in pts], "o-", label=s)
-        if s != "flatten":
-            ax.plot(
-                [r["cp"] for r in pts],
-                [r["predicted_mib"] for r in pts],
-                "x:",
-                color=ax.lines[-1].get_color(),
-                label=f"{s} (selector)",
-            )
-    ax.set(
-        yscale="log",
-        xlabel="context parallelism cp",
-        ylabel="temp MiB per device (fwd+bwd)",
-        title=f"MoE block memory vs cp (seq {MAIN['seq']}, E={MAIN['experts']})",
-    )
-    log_x_axis(ax, (1, 2, 4, 8))
-    ax.legend(fontsize=7)
-    paths = save(
-        "memory",
-        {
-            "machine": machine(),
-            "shape": MAIN,
-            "holdout_shape": HOLDOUT,
-            "rows": rows,
-            "holdout": holdout,
-            "summary": summary,
-            "fitted_calibration": fitted,
-        },
-        fig,
-    )
-    print("\nwrote", *paths)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    args = parser.parse_args()
+    if args.replot:
+        print("wrote", *save("memory", load("memory"), plot(load("memory"))))
+        return
+    rows = []
+    for cp in CPS:
+        rows += rows_for(cp)
+        print(f"cp={cp}: " + ", ".join(f"{r['variant']} {r['total_mib']:.0f} MiB"
+                                      for r in rows if r["cp"] == cp), flush=True)
+    times = [timing(cp, args.runs) for cp in CPS[1:]]
+    print(table(rows, COLUMNS))
+    print("\ncp=4 / cp=1 (args + temp)\n" + table(summary(rows), RATIO_COLUMNS))
+    print("\nwall time of fwd+bwd on this CPU\n" + table(times, TIME_COLUMNS))
+    payload = {"machine": machine(), "shape": SHAPE, "rows": rows,
+               "summary": summary(rows), "timing": times}
+    print("wrote", *save("memory", payload, plot(payload)))
 
 
 if __name__ == "__main__":

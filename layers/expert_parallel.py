@@ -222,17 +222,21 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
     x_RM, ids_R, group_sizes_E, w = res
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
-    emb = x_RM.shape[1]
-    dx0 = _varying_like(jnp.zeros_like(x_RM), x_RM, dy_RM, *w)
+    # Each round's dx comes back already summed over the axes x is replicated on (the
+    # pullback of an x used with tensor-split weights sums over tensor), so the
+    # accumulator varies exactly as x does.
+    dx0 = jnp.zeros_like(x_RM)
     # jax.vjp hands back each round's weight cotangent already summed over the axes the
     # weights are replicated on, so the accumulator varies exactly as the weights do.
     dw0 = tuple(_varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w)
-    both_RX = jnp.concatenate([x_RM, dy_RM.astype(x_RM.dtype)], axis=1)
+    dy_RM = dy_RM.astype(x_RM.dtype)
 
     def one_round(r, carry):
         dx_RM, dw = carry
-        got_NX, ids_N, state = move.to_owners(both_RX, ids_R, r, local_experts)
-        x_N, dy_N = got_NX[:, :emb], got_NX[:, emb:]
+        # Rows and their cotangents travel as two exchanges of the same slots (a
+        # concatenation would hold another copy of both).
+        x_N, ids_N, state = move.to_owners(x_RM, ids_R, r, local_experts)
+        dy_N, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
 
         def local(x, w_):
             return _local_swiglu(x, ids_N, w_, local_experts, ex.gmm_backend)

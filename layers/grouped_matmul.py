@@ -260,7 +260,36 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm"):
     if backend == "ragged_dot":
         return lax.ragged_dot(x_RK, w_EKN, group_sizes_E)
     if backend == "pallas_megablox":
-        from jax.experimental.pallas.ops.tpu.megablox import gmm as pallas_gmm
-
-        return pallas_gmm(x_RK, w_EKN, group_sizes_E, preferred_element_type=x_RK.dtype)
+        return _pallas_gmm(x_RK, w_EKN, group_sizes_E)
     raise ValueError(f"unknown gmm backend {backend!r}: tiled_gmm, ragged_dot or pallas_megablox")
+
+
+PALLAS_TILE = 128  # the Pallas megablox kernel's default (rows, contraction, output) tile
+
+
+def _pallas_gmm(x_RK, w_EKN, group_sizes_E):
+    """The Pallas megablox kernel (TPU; interpret mode elsewhere). It needs the rows to
+    be a whole number of row tiles, so, as MaxText does, the rows are padded with zeros
+    to the next multiple of the tile (the padding lies past every group) and the
+    result's padding is dropped. Contraction and output dims use a full tile when they
+    divide by it, else the whole dim."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as pallas_gmm
+
+    rows, k = x_RK.shape
+    n = w_EKN.shape[2]
+    padded = -(-max(rows, 1) // PALLAS_TILE) * PALLAS_TILE
+    x_pad = jnp.pad(x_RK, ((0, padded - rows), (0, 0)))
+    tiling = (
+        PALLAS_TILE,
+        PALLAS_TILE if k % PALLAS_TILE == 0 else k,
+        PALLAS_TILE if n % PALLAS_TILE == 0 else n,
+    )
+    y = pallas_gmm(
+        x_pad,
+        w_EKN,
+        group_sizes_E,
+        preferred_element_type=x_RK.dtype,
+        tiling=tiling,
+        interpret=jax.default_backend() != "tpu",
+    )
+    return y[:rows]

@@ -189,7 +189,7 @@ class Config:
     expert_group: ExpertGroup = ExpertGroup.auto
     # Rows a device may send each expert owner per exchange round, as a multiple of the
     # even share; more rows take more rounds, never a drop.
-    expert_buffer_factor: float = 1.25
+    expert_buffer_factor: float = 1.125
     allow_local_batch_inflation: bool = False
     gmm_tile_rows: int = 128  # grouped-matmul row tile, used for padding estimates
     output: OutputFormat = OutputFormat.text

@@ -93,3 +93,9 @@ def weight_shapes(model: layers.MoEBlock) -> set[tuple[int, ...]]:
     shapes |= weight_stage_shapes((e, m, h), [(ex, em, hi), (ex, 1, hi), (ex_compute, 1, hi)])
     shapes |= weight_stage_shapes((e, h, m), [(ex, hi, em), (ex, hi, 1), (ex_compute, hi, 1)])
     return shapes
+
+
+def host_weights(model: layers.MoEBlock):
+    """The block's weights as plain single-device arrays, for the reference MoE (which
+    is about the math, not the sharding)."""
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), model.weights())

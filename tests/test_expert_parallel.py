@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hlo import classify
-from layer_helpers import assert_close, build, inputs, loss_and_grads, weight_shapes
+from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads, weight_shapes
 from test_layers_parity import reference_grads
 
 from layers.programs import compile_fwd_bwd
@@ -80,7 +80,7 @@ def test_skewed_routing_takes_more_rounds_and_stays_exact(jax_cpu8, kind):
     x, cot = inputs(BATCH, SEQ)
     x = skew(model, x, kind)
     stats = check_against_reference(model, x, cot, kind)
-    _, ref = reference_moe(model.weights(), x, model.spec)
+    _, ref = reference_moe(host_weights(model), x, model.spec)
     np.testing.assert_array_equal(stats["tokens_per_expert"], ref["tokens_per_expert"])
     counts = np.asarray(stats["tokens_per_expert"])
     assert counts[0] == BATCH * SEQ and float(stats["dropped_tokens"]) == 0
@@ -91,7 +91,7 @@ def test_skewed_routing_takes_more_rounds_and_stays_exact(jax_cpu8, kind):
 def expected_rounds(model, x, data: int, cp: int, group: int) -> int:
     """Rounds the exchange needs, from the plain reference routing: the most rows any
     device sends one owner, over B = 1.25 x its rows / group (rounded up to 8)."""
-    ids_TK = reference_choices(model.weights(), x, model.spec)
+    ids_TK = reference_choices(host_weights(model), x, model.spec)
     ids = np.asarray(ids_TK).reshape(BATCH, SEQ, -1)
     local_experts = model.spec.num_experts // group
     most = 0

@@ -4,7 +4,7 @@ path counts its drops, and non-finite inputs have one documented behaviour."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, inputs, loss_and_grads
+from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads
 
 from layers.reference import reference_keep, reference_moe
 
@@ -43,7 +43,7 @@ def test_dropless_paths_route_every_assignment(jax_cpu8, strategy, top_k, routin
     assert counts.sum() == BATCH * SEQ * top_k and float(stats["dropped_tokens"]) == 0
     if routing == "single":
         assert counts[0] == BATCH * SEQ  # every token's first choice
-    ry, rstats = reference_moe(model.weights(), x, model.spec)
+    ry, rstats = reference_moe(host_weights(model), x, model.spec)
     np.testing.assert_array_equal(counts, rstats["tokens_per_expert"])
     assert_close(y, ry, what=f"{strategy} {routing}")
 
@@ -54,8 +54,8 @@ def test_capacity_path_counts_exactly_the_reference_drops(jax_cpu8, routing):
     route_like(model, routing)
     x, cot = routed_inputs(routing)
     y, stats, _, _ = loss_and_grads(model, x, cot)
-    keep = reference_keep(model.weights(), x, model.spec, 4)
-    ry, rstats = reference_moe(model.weights(), x, model.spec, keep)
+    keep = reference_keep(host_weights(model), x, model.spec, 4)
+    ry, rstats = reference_moe(host_weights(model), x, model.spec, keep)
     assert rstats["dropped_tokens"] > 0
     assert float(stats["dropped_tokens"]) == rstats["dropped_tokens"]
     assert_close(y, ry, what=f"capacity {routing}")
@@ -77,5 +77,5 @@ def test_a_nonfinite_token_is_counted_and_poisons_only_itself(jax_cpu8, strategy
     others = np.ones((BATCH, SEQ), bool)
     others[1, 5] = False
     assert np.isfinite(y[others]).all()
-    ry, _ = reference_moe(model.weights(), x, model.spec)
+    ry, _ = reference_moe(host_weights(model), x, model.spec)
     assert_close(y[others], np.asarray(ry)[others], what="finite tokens")

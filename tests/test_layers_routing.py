@@ -8,7 +8,7 @@ the bug report), under cp = 4 and with tensor and expert parallelism."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, inputs, loss_and_grads
+from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads
 from test_layers_parity import reference_grads
 
 from layers.reference import reference_choices, reference_moe
@@ -89,9 +89,9 @@ def test_routed_bias_and_groups_change_the_choice(jax_cpu8):
     """Guards the test above: the bias and the group limit really move experts."""
     model = build("megablox", MESHES["data2_cp4"], BATCH, SEQ, *ROUTINGS["deepseek_v3"])
     x, _ = inputs(BATCH, SEQ)
-    plain = reference_choices(model.weights(), x, model.spec)
+    plain = reference_choices(host_weights(model), x, model.spec)
     with_bias(model)
-    biased = reference_choices(model.weights(), x, model.spec)
+    biased = reference_choices(host_weights(model), x, model.spec)
     assert (np.sort(plain, -1) != np.sort(biased, -1)).any(axis=-1).mean() > 0.2
     groups = np.asarray(biased) // 4  # 4 experts per group, 2 groups allowed
     assert all(len(set(row)) <= 2 for row in groups)
@@ -130,6 +130,6 @@ def test_capacity_rounding_drops_what_each_formula_drops(jax_cpu8, rounding, exp
     _, stats, _, _ = loss_and_grads(model, x, cot)
     from layers.reference import reference_keep
 
-    keep = reference_keep(model.weights(), x, model.spec, 1)
-    _, ref = reference_moe(model.weights(), x, model.spec, keep)
+    keep = reference_keep(host_weights(model), x, model.spec, 1)
+    _, ref = reference_moe(host_weights(model), x, model.spec, keep)
     assert ref["dropped_tokens"] > 0 and float(stats["dropped_tokens"]) == ref["dropped_tokens"]
