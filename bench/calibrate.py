@@ -160,25 +160,41 @@ def summary(errs: list[dict]) -> list[dict]:
     return rows
 
 
-SUMMARY_COLUMNS = [("key", "strategy"), ("points", "points"), ("median", "median |error|"),
-                   ("worst", "worst |error|")]
+SUMMARY_COLUMNS = [
+    ("key", "strategy"),
+    ("points", "points"),
+    ("median", "median |error|"),
+    ("worst", "worst |error|"),
+]
 
 
 def plot(payload: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
-    for name, errs, marker in (("fit", payload["fit_errors"], "o"),
-                                ("held out", payload["holdout_errors"], "x")):
+    for name, errs, marker in (
+        ("fit", payload["fit_errors"], "o"),
+        ("held out", payload["holdout_errors"], "x"),
+    ):
         for key in sorted({e["key"] for e in errs}):
             pts = [e for e in errs if e["key"] == key]
-            ax.scatter([e["temp_mib"] for e in pts], [e["predicted_mib"] for e in pts],
-                       marker=marker, s=18, label=f"{key} ({name})")
+            ax.scatter(
+                [e["temp_mib"] for e in pts],
+                [e["predicted_mib"] for e in pts],
+                marker=marker,
+                s=18,
+                label=f"{key} ({name})",
+            )
     lo = min(e["temp_mib"] for e in payload["fit_errors"] + payload["holdout_errors"])
     hi = max(e["temp_mib"] for e in payload["fit_errors"] + payload["holdout_errors"])
     for f, style in ((1.0, "-"), (1.15, ":"), (1 / 1.15, ":")):
         ax.plot([lo, hi], [lo * f, hi * f], style, color="gray", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="compiled temp MiB per device",
-           ylabel="selector's temp MiB", title="memory calibration (dotted: +-15%)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="compiled temp MiB per device",
+        ylabel="selector's temp MiB",
+        title="memory calibration (dotted: +-15%)",
+    )
     ax.legend(fontsize=6, ncol=2)
     return fig
 
@@ -205,8 +221,10 @@ def main() -> None:
         print(f"{name}: {len(points)} points", flush=True)
         for i, point in enumerate(points):
             sink.append(measure(point))
-            print(f"  [{i + 1}/{len(points)}] {point.label()}: "
-                  f"{sink[-1]['temp'] / 2**20:.1f} MiB", flush=True)
+            print(
+                f"  [{i + 1}/{len(points)}] {point.label()}: {sink[-1]['temp'] / 2**20:.1f} MiB",
+                flush=True,
+            )
     report(rows, held, args.write)
 
 
@@ -221,8 +239,9 @@ def report(rows: list[dict], held: list[dict], write: bool = False) -> None:
     print("\nMEMORY_CALIBRATION =", calibration)
     print("\nfit points\n" + table(summary(fit_errs), SUMMARY_COLUMNS))
     print("\nheld-out points\n" + table(summary(hold_errs), SUMMARY_COLUMNS))
-    worst_io = max(abs(e[k]) for e in fit_errs + hold_errs
-                   for k in ("arguments_error", "outputs_error"))
+    worst_io = max(
+        abs(e[k]) for e in fit_errs + hold_errs for k in ("arguments_error", "outputs_error")
+    )
     print(f"\narguments and outputs: worst |error| {worst_io:.2%} over every point")
     payload = {
         "calibration": calibration,

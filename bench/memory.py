@@ -56,15 +56,24 @@ COLUMNS = [
     ("predicted_mib", "selector MiB"),
     ("error", "selector error"),
 ]
-RATIO_COLUMNS = [("variant", "variant"), ("cp1", "cp=1 MiB"), ("cp4", "cp=4 MiB"),
-                 ("ratio", "cp=4 / cp=1")]
-TIME_COLUMNS = [("cp", "cp"), ("gathered_s", "gathered s"), ("exchanged_s", "exchanged s"),
-                ("ratio", "exchanged / gathered")]
+RATIO_COLUMNS = [
+    ("variant", "variant"),
+    ("cp1", "cp=1 MiB"),
+    ("cp4", "cp=4 MiB"),
+    ("ratio", "cp=4 / cp=1"),
+]
+TIME_COLUMNS = [
+    ("cp", "cp"),
+    ("gathered_s", "gathered s"),
+    ("exchanged_s", "exchanged s"),
+    ("ratio", "exchanged / gathered"),
+]
 
 
 def point(strategy: str, exchange: str, cp: int) -> Point:
-    return Point(strategy, {"data": 1, "context": cp}, exchange=exchange,
-                 capacity_factor=1.25, **SHAPE)
+    return Point(
+        strategy, {"data": 1, "context": cp}, exchange=exchange, capacity_factor=1.25, **SHAPE
+    )
 
 
 def name(strategy: str, exchange: str) -> str:
@@ -128,8 +137,13 @@ def timing(cp: int, runs: int) -> dict:
         fns[exchange] = (fn, (block.weights(), x))
     times = interleaved(fns, runs)
     gathered, exchanged = median(times["gather"]), median(times["all_to_all"])
-    return {"cp": cp, "gathered_s": gathered, "exchanged_s": exchanged,
-            "ratio": exchanged / gathered, "times": times}
+    return {
+        "cp": cp,
+        "gathered_s": gathered,
+        "exchanged_s": exchanged,
+        "ratio": exchanged / gathered,
+        "times": times,
+    }
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -138,8 +152,14 @@ def summary(rows: list[dict]) -> list[dict]:
     for variant in [name(s, e) for s, e in VARIANTS] + ["flatten (baseline)"]:
         one = by.get((variant, 1)) or by.get(("megablox/gather", 1))  # EP at cp=1 = gathered
         four = by[(variant, 4)]
-        out.append({"variant": variant, "cp1": one["total_mib"], "cp4": four["total_mib"],
-                    "ratio": four["total_mib"] / one["total_mib"]})
+        out.append(
+            {
+                "variant": variant,
+                "cp1": one["total_mib"],
+                "cp4": four["total_mib"],
+                "ratio": four["total_mib"] / one["total_mib"],
+            }
+        )
     return out
 
 
@@ -150,14 +170,27 @@ def plot(payload: dict):
     for variant in [name(s, e) for s, e in VARIANTS]:
         pts = [r for r in rows if r["variant"] == variant]
         line = ax.plot([r["cp"] for r in pts], [r["total_mib"] for r in pts], "o-", label=variant)
-        ax.plot([r["cp"] for r in pts], [r["predicted_mib"] for r in pts], "x:",
-                color=line[0].get_color())
+        ax.plot(
+            [r["cp"] for r in pts],
+            [r["predicted_mib"] for r in pts],
+            "x:",
+            color=line[0].get_color(),
+        )
     base = [r for r in rows if r["variant"] == "flatten (baseline)"]
-    ax.plot([r["cp"] for r in base], [r["total_mib"] for r in base], "--", color="gray", lw=2,
-            label="flatten baseline (today's frameworks)")
-    ax.set(yscale="log", xlabel="context parallelism cp (one sequence of "
-           f"{payload['shape']['seq']} tokens)", ylabel="args + temp MiB per device (fwd+bwd)",
-           title="MoE block memory vs cp, weights included (x: selector)")
+    ax.plot(
+        [r["cp"] for r in base],
+        [r["total_mib"] for r in base],
+        "--",
+        color="gray",
+        lw=2,
+        label="flatten baseline (today's frameworks)",
+    )
+    ax.set(
+        yscale="log",
+        xlabel=f"context parallelism cp (one sequence of {payload['shape']['seq']} tokens)",
+        ylabel="args + temp MiB per device (fwd+bwd)",
+        title="MoE block memory vs cp, weights included (x: selector)",
+    )
     log_x_axis(ax, CPS)
     ax.legend(fontsize=7)
     return fig
@@ -174,14 +207,22 @@ def main() -> None:
     rows = []
     for cp in CPS:
         rows += rows_for(cp)
-        print(f"cp={cp}: " + ", ".join(f"{r['variant']} {r['total_mib']:.0f} MiB"
-                                      for r in rows if r["cp"] == cp), flush=True)
+        print(
+            f"cp={cp}: "
+            + ", ".join(f"{r['variant']} {r['total_mib']:.0f} MiB" for r in rows if r["cp"] == cp),
+            flush=True,
+        )
     times = [timing(cp, args.runs) for cp in CPS[1:]]
     print(table(rows, COLUMNS))
     print("\ncp=4 / cp=1 (args + temp)\n" + table(summary(rows), RATIO_COLUMNS))
     print("\nwall time of fwd+bwd on this CPU\n" + table(times, TIME_COLUMNS))
-    payload = {"machine": machine(), "shape": SHAPE, "rows": rows,
-               "summary": summary(rows), "timing": times}
+    payload = {
+        "machine": machine(),
+        "shape": SHAPE,
+        "rows": rows,
+        "summary": summary(rows),
+        "timing": times,
+    }
     print("wrote", *save("memory", payload, plot(payload)))
 
 

@@ -189,7 +189,9 @@ def main() -> None:
     if args.replot or args.repredict:
         payload = load("scale")
         if args.repredict:
-            payload["rows"] = [row(r["model"], r["split"], _point(r), r["raw"]) for r in payload["rows"]]
+            payload["rows"] = [
+                row(r["model"], r["split"], _point(r), r["raw"]) for r in payload["rows"]
+            ]
             summarise(payload["rows"])
         save("scale", payload, plot(payload))
         return

@@ -23,9 +23,9 @@ import selector
 from bench.common import (
     SPEED_COLUMNS,
     block_overrides,
+    interleaved,
     load,
     log_x_axis,
-    interleaved,
     machine,
     median,
     pyplot,
@@ -164,8 +164,10 @@ def main() -> None:
                 flush=True,
             )
     mlp_median = median(all_mlp)
-    print(f"dense MLP median over every interleaved run: {mlp_median:.3f} s; "
-          f"temp {mlp_temp / 2**20:.0f} MiB")
+    print(
+        f"dense MLP median over every interleaved run: {mlp_median:.3f} s; "
+        f"temp {mlp_temp / 2**20:.0f} MiB"
+    )
     print(table(rows, SPEED_COLUMNS))
 
     payload = {

@@ -56,9 +56,7 @@ def compiled_step_bytes(cp: int, per_device_batch_size: float) -> dict:
     )
     trainer = setup(config, SETTINGS, mesh)
     tokens = jax.ShapeDtypeStruct((trainer.batch, SEQ), "int32", sharding=trainer.token_sharding)
-    lowered = trainer.step_fn.lower(
-        trainer.params, trainer.opt_state, trainer.rest, tokens, tokens
-    )
+    lowered = trainer.step_fn.lower(trainer.params, trainer.opt_state, trainer.rest, tokens, tokens)
     m = lowered.compile().memory_analysis()
     plan = selector.resolve(config, mesh)
     return {
@@ -97,8 +95,10 @@ def main() -> None:
         print("wrote", *save("train_memory", load("train_memory"), plot(load("train_memory"))))
         return
     rows = []
-    for setting, pdbs in (("fixed global batch", lambda cp: 1 / cp),
-                          ("per_device_batch_size=1", lambda cp: 1.0)):
+    for setting, pdbs in (
+        ("fixed global batch", lambda cp: 1 / cp),
+        ("per_device_batch_size=1", lambda cp: 1.0),
+    ):
         first = None
         for cp in CPS:
             row = {"setting": setting, **compiled_step_bytes(cp, pdbs(cp))}

@@ -114,9 +114,7 @@ class MoELanguageModel(nnx.Module):
     """tokens (B, S) -> (logits (B, S, V) float32, per-layer MoE statistics)."""
 
     def __init__(self, cfg, plan, mesh, *, vocab: int, layers_: int, heads: int, rngs):
-        self.blocks = nnx.List(
-            [DecoderLayer(cfg, plan, mesh, heads, rngs) for _ in range(layers_)]
-        )
+        self.blocks = nnx.List([DecoderLayer(cfg, plan, mesh, heads, rngs) for _ in range(layers_)])
         lay = self.blocks[0].moe.layout
         pdt = self.blocks[0].moe.param_dtype
         emb = cfg.base_emb_dim

@@ -241,8 +241,10 @@ def run(cfg) -> int:
         )
     out = Path(HydraConfig.get().runtime.output_dir)
     paths = write_outputs(out, config, settings, plan, history, trainer.language.floor)
-    print(f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (floor "
-          f"{trainer.language.floor:.3f}); wrote {', '.join(map(str, paths))}")
+    print(
+        f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f} (floor "
+        f"{trainer.language.floor:.3f}); wrote {', '.join(map(str, paths))}"
+    )
     return 0
 
 

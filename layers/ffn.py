@@ -67,6 +67,8 @@ def shared_swiglu(x_TM, w: ExpertWeights, dtype):
         w.shared_wo_SM.astype(dtype),
     )
     if w.shared_gate_M1 is not None:
-        gate_T1 = jnp.einsum("tm,mo->to", x_TM.astype(jnp.float32), w.shared_gate_M1.astype(jnp.float32))
+        gate_T1 = jnp.einsum(
+            "tm,mo->to", x_TM.astype(jnp.float32), w.shared_gate_M1.astype(jnp.float32)
+        )
         y = y * jax.nn.sigmoid(gate_T1).astype(dtype)
     return y

@@ -21,8 +21,8 @@ from selector import Dispatch
 
 from . import dense, megablox, subgroup_capacity
 from .ffn import WEIGHT_FIELDS, ExpertWeights, dense_ffn, shared_swiglu
-from .router import finish_stats, partial_stats, route, split_global
 from .params import create_sharded, param
+from .router import finish_stats, partial_stats, route, split_global
 from .sharding import Layout, gather
 from .spec import MoESpec
 
@@ -83,10 +83,7 @@ def weight_specs(layout: Layout, w: ExpertWeights) -> ExpertWeights:
     shard_map's in_specs."""
     specs = layout.weight_specs()
     return ExpertWeights(
-        **{
-            name: (None if getattr(w, name) is None else specs[name])
-            for name in WEIGHT_FIELDS
-        }
+        **{name: (None if getattr(w, name) is None else specs[name]) for name in WEIGHT_FIELDS}
     )
 
 
@@ -191,7 +188,9 @@ class MoEBlock(nnx.Module):
         self.param_dtype = jnp.dtype(config.param_dtype)
         names, shapes, shardings = self.param_layout()
         keys = [rngs.params() for _ in names]
-        values = dict(zip(names, create_sharded(keys, shapes, self.param_dtype, shardings), strict=True))
+        values = dict(
+            zip(names, create_sharded(keys, shapes, self.param_dtype, shardings), strict=True)
+        )
         p = {n: param(values[n], s) for n, s in zip(names, shardings, strict=True)}
         bias = None
         if self.spec.routed_bias:

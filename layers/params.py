@@ -32,8 +32,7 @@ def initialiser(shapes: tuple, dtype, shardings: tuple[NamedSharding, ...]):
     # bfloat16 or float8 block holds the rounding of the float32 block of the same seed.
     def init(keys):
         return tuple(
-            INIT(k, shape, jnp.float32).astype(dtype)
-            for k, shape in zip(keys, shapes, strict=True)
+            INIT(k, shape, jnp.float32).astype(dtype) for k, shape in zip(keys, shapes, strict=True)
         )
 
     return jax.jit(init, out_shardings=shardings)

@@ -80,8 +80,12 @@ def reference_route(w: ExpertWeights, x_BSM, spec: MoESpec, ids_TK=None):
 def reference_capacity(sub: int, spec: MoESpec) -> int:
     """Per-subgroup capacity, each formula written out again here."""
     if spec.capacity_rounding == "maxtext":  # MaxText 0.2.5, generate_masks_subgroup
-        return int(max(math.ceil(sub * spec.top_k / spec.num_experts) * spec.capacity_factor,
-                       spec.capacity_factor))
+        return int(
+            max(
+                math.ceil(sub * spec.top_k / spec.num_experts) * spec.capacity_factor,
+                spec.capacity_factor,
+            )
+        )
     return max(1, math.ceil(sub * spec.top_k / spec.num_experts * spec.capacity_factor))
 
 

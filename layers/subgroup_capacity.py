@@ -1,11 +1,15 @@
 """Subgroup capacity dispatch: each device's tokens are its own subgroups.
 
 The input arrives sharded (batch axes, sequence axes), so a device holds B_local
-sequences of sub_seq = S / cp tokens: exactly the (batch, cp, sub_seq) subgroups of
-MaxText's capacity path, with the cp dim on the sequence axes. Routing, capacity
-positions and drops are computed inside each subgroup, with capacity
-ceil(sub_seq * k / E * capacity_factor); dispatch and combine are one-hot einsums.
-Priority within a subgroup follows token order, then choice rank (MaxText's order).
+sequences of sub_seq = S / cp tokens, and each of those is one subgroup: the
+(batch, cp, sub_seq) layout MaxText's code reshapes into for inference, here split by
+every sequence axis and in training too (MaxText 0.2.5 splits only in inference, only by
+context_autoregressive; in training its capacity covers the whole sequence). Routing,
+capacity positions and drops are computed inside each subgroup, with the capacity of
+`capacity_rounding` (ours: ceil(sub_seq k / E x cf); maxtext: MaxText's formula), so the
+drops equal MaxText's at cp = 1 with capacity_rounding=maxtext. Dispatch and combine are
+one-hot einsums. Priority within a subgroup follows token order, then choice rank
+(MaxText's order).
 
 Legend: B batch, S sub-sequence, K top-k, E experts, C capacity, M embedding, H hidden.
 """

@@ -137,7 +137,9 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
             try:
                 values = list(o.sweep_string_iterator())
             except HydraException as exc:
-                raise _Usage(f"Cannot expand the sweep {o.input_line!r}: {_first_line(exc)}.")
+                raise _Usage(
+                    f"Cannot expand the sweep {o.input_line!r}: {_first_line(exc)}."
+                ) from None
             choices.append([f"{prefix}{o.get_key_element()}={v}" for v in values])
         else:
             choices.append([o.input_line])
@@ -213,7 +215,8 @@ def maxtext_main(overrides: list[str], multirun: bool) -> int:
         imported = from_maxtext(path, rest)
         plan, findings = analyse_any(imported.config)
     except (MaxTextError, ConfigError, ValueError, TypeError) as exc:
-        raise _Usage(explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc))
+        message = explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc)
+        raise _Usage(message) from None
     return report(
         imported.config, plan, imported.findings + findings, overrides=rest, maxtext=imported
     )

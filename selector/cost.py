@@ -366,7 +366,9 @@ def estimate(
     p = problem_shape(cfg, mesh, dev, place)
     rest = weight_rest_bytes(p, mesh.product(place.hidden_axes))
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    memory = block_memory(strategy, place.exchange, p, rest, calibration_key(strategy, place.exchange, cfg))
+    memory = block_memory(
+        strategy, place.exchange, p, rest, calibration_key(strategy, place.exchange, cfg)
+    )
     moved = traffic(strategy, place.exchange, p, memory, rounds)
     hw = cfg.hardware
     link = hw.dcn_bandwidth_gbps if _crosses_slices(cfg, mesh, place) else hw.ici_bandwidth_gbps

@@ -17,7 +17,6 @@ MaxText's `num_slices: -1` (detect) is taken as one slice unless the dcn knobs s
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import enum
 import math
@@ -489,8 +488,13 @@ def from_maxtext(
     for theirs, ours in DIRECT_KEYS.items():
         if theirs in raw and raw[theirs] is not None:
             values[ours] = _coerce(theirs, raw[theirs], _FIELD_TYPES[ours])
-    for key in (*PARALLELISM_KEYS, "num_devices", "allow_local_batch_inflation",
-                "expert_buffer_factor", "optimizer_bytes_per_param"):
+    for key in (
+        *PARALLELISM_KEYS,
+        "num_devices",
+        "allow_local_batch_inflation",
+        "expert_buffer_factor",
+        "optimizer_bytes_per_param",
+    ):
         if key in raw and raw[key] is not None:
             values[key] = _coerce(key, raw[key], _FIELD_TYPES[key])
     if values.get("num_experts", 1) <= 1 and values.get("base_moe_mlp_dim", -1) <= 0:
@@ -507,8 +511,11 @@ def from_maxtext(
     values["mode"] = mode_of(raw) or Mode.train
     if "mode" in raw:
         values["mode"] = _coerce("mode", raw["mode"], Mode)
-    for key, kind in (("expert_exchange", Exchange), ("expert_group", ExpertGroup),
-                      ("output", OutputFormat)):
+    for key, kind in (
+        ("expert_exchange", Exchange),
+        ("expert_group", ExpertGroup),
+        ("output", OutputFormat),
+    ):
         if key in raw:
             values[key] = _coerce(key, raw[key], kind)
     values["model_name"] = str(model_name or "maxtext")

@@ -37,8 +37,15 @@ MOE_KEYS_NOT_MAPPED = (
     "use_ring_of_experts",
 )
 # Mesh axes of MaxText's training mesh that the check does not model.
-UNMODELLED_AXES = ("diloco", "stage", "fsdp_transpose", "tensor_sequence", "autoregressive",
-                   "sequence", "pipeline")
+UNMODELLED_AXES = (
+    "diloco",
+    "stage",
+    "fsdp_transpose",
+    "tensor_sequence",
+    "autoregressive",
+    "sequence",
+    "pipeline",
+)
 
 
 def _cp(mesh: MeshView) -> int:

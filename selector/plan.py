@@ -7,12 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import rules
-from .config import Config, Dispatch
+from .config import Config, Dispatch, Exchange
 from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
 from .findings import Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
-from .config import Exchange
 from .placement import WeightPlacement, describe
 from .policy import candidates_for, choose, exchange_backend, exchange_candidates, gmm_backend
 
@@ -184,7 +183,9 @@ def _analyse(
     findings += rules.capacity_too_small(cfg, dev, strategy)
     findings += rules.capacity_costly(cfg, strategy, chosen, estimates)
     findings += rules.memory_fits(cfg, dev, chosen)
-    findings += rules.exchange_settings(cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy))
+    findings += rules.exchange_settings(
+        cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy)
+    )
 
     plan = DispatchPlan(
         strategy=strategy,

@@ -12,7 +12,7 @@ from .plan import DispatchPlan
 
 
 def _n(x: float) -> str:
-    return f"{round(x):,}" if is_whole(x) else f"{x:,.4g}"
+    return f"{round(x):,}" if is_whole(x) else f"{x:,.8g}"  # 2,047.5 stays 2,047.5
 
 
 def _wrap(text: str, indent: str) -> str:

@@ -41,8 +41,18 @@ def maxtext_dir():
         return root / "maxtext"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--python-version", "3.12", f"maxtext=={MAXTEXT_VERSION}", "-d", tmp, "--quiet",
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            f"maxtext=={MAXTEXT_VERSION}",
+            "-d",
+            tmp,
+            "--quiet",
         ]
         got = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         wheels = list(Path(tmp).glob("maxtext-*.whl"))

@@ -15,7 +15,9 @@ COLLECTIVES = (
     "ragged-all-to-all",
 )
 _OP = re.compile(
-    r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) + r")(-start)?\((?P<args>[^)]*)"
+    r"=\s*(?P<shapes>\(.*?\)|\S+)\s+(?P<op>"
+    + "|".join(COLLECTIVES)
+    + r")(-start)?\((?P<args>[^)]*)"
 )
 _SHAPE = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 
@@ -69,7 +71,9 @@ def classify(
     return out
 
 
-_DEF = re.compile(r"^\s*(ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_DEF = re.compile(
+    r"^\s*(ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]"
+)
 _DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 

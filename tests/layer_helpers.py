@@ -39,8 +39,11 @@ def build(
             "context_parallel_load_balance=false",
             # The gathered path unless a test asks for the exchange (auto would pick it
             # on some meshes; test_expert_parallel covers it, test_selector_* the choice).
-            *(() if any(e.startswith("expert_exchange=") for e in extra) else
-              ("expert_exchange=gather",)),
+            *(
+                ()
+                if any(e.startswith("expert_exchange=") for e in extra)
+                else ("expert_exchange=gather",)
+            ),
             *extra,
         ]
     )

@@ -90,7 +90,8 @@ def test_skewed_routing_takes_more_rounds_and_stays_exact(jax_cpu8, kind):
 
 def expected_rounds(model, x, data: int, cp: int, group: int) -> int:
     """Rounds the exchange needs, from the plain reference routing: the most rows any
-    device sends one owner, over B = 1.25 x its rows / group (rounded up to 8)."""
+    device sends one owner, over B = expert_buffer_factor x its rows / group (rounded up
+    to 8)."""
     ids_TK = reference_choices(host_weights(model), x, model.spec)
     ids = np.asarray(ids_TK).reshape(BATCH, SEQ, -1)
     local_experts = model.spec.num_experts // group
@@ -100,7 +101,8 @@ def expected_rounds(model, x, data: int, cp: int, group: int) -> int:
             owners = np.bincount(shard.reshape(-1) // local_experts, minlength=group)
             most = max(most, int(owners.max()))
             rows = shard.size
-    buffer = 8 * math.ceil(1.25 * rows / group / 8)
+    factor = model.spec.exchange.buffer_factor
+    buffer = 8 * math.ceil(factor * rows / group / 8)
     return math.ceil(most / buffer)
 
 
@@ -146,19 +148,7 @@ def test_ragged_backend_lowers_to_ragged_all_to_all(jax_cpu8):
     import selector
     from layers.programs import abstract_inputs, block_forward, fwd_bwd_loss
 
-    cfg = selector.compose(
-        [
-            "model=tiny",
-            "mesh=h100_8",
-            "ici_fsdp_parallelism=1",
-            "ici_data_parallelism=2",
-            "ici_context_parallelism=4",
-            "per_device_batch_size=0.25",
-            "max_target_length=256",
-            "dispatch=megablox",
-            *EP,
-        ]
-    )
+    cfg = h100_ep_config(2, 256)
     plan = selector.resolve(cfg)  # no live mesh: the H100 platform stands
     assert plan.exchange_backend == "ragged_all_to_all" and plan.gmm_backend == "ragged_dot"
     model = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan), plan=plan, rngs=nnx.Rngs(0))
@@ -167,6 +157,29 @@ def test_ragged_backend_lowers_to_ragged_all_to_all(jax_cpu8):
     lowered = jax.jit(jax.grad(fwd_bwd_loss(block_forward(model)), argnums=(0, 1))).lower(w, x)
     text = lowered.as_text()
     assert text.count("ragged_all_to_all") >= 4  # rows and ids there, results back; bwd
+
+
+def h100_ep_config(batch: int, seq: int, *extra: str):
+    """An H100 node's config (its plan names the ragged backend) on (data=2, context=4)
+    with the rows exchanged."""
+    import selector
+
+    return selector.compose(
+        [
+            "model=tiny",
+            "mesh=h100_8",
+            "ici_fsdp_parallelism=1",
+            "ici_data_parallelism=2",
+            "ici_context_parallelism=4",
+            f"per_device_batch_size={batch / 8}",
+            f"max_target_length={seq}",
+            "dispatch=megablox",
+            "allow_local_batch_inflation=true",
+            "context_parallel_load_balance=false",
+            *EP,
+            *extra,
+        ]
+    )
 
 
 def emulated_ragged_all_to_all(
@@ -202,22 +215,7 @@ def test_ragged_backend_logic_with_an_emulated_collective(jax_cpu8, monkeypatch,
     import selector
 
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    cfg = selector.compose(
-        [
-            "model=tiny",
-            "mesh=h100_8",
-            "ici_fsdp_parallelism=1",
-            "ici_data_parallelism=2",
-            "ici_context_parallelism=4",
-            f"per_device_batch_size={BATCH / 8}",
-            f"max_target_length={SEQ}",
-            "dispatch=megablox",
-            "dtype=float32",
-            "allow_local_batch_inflation=true",
-            "context_parallel_load_balance=false",
-            *EP,
-        ]
-    )
+    cfg = h100_ep_config(BATCH, SEQ, "dtype=float32")
     plan = selector.resolve(cfg)
     assert plan.exchange_backend == "ragged_all_to_all"
     model = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan), plan=plan, rngs=nnx.Rngs(0))

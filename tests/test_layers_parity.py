@@ -20,6 +20,8 @@ MESHES = {
     "mixed_cp": {"data": 2, "context": 2, "context_usp_ulysses": 2},
     "fsdp2_cp4": {"fsdp": 2, "context": 4},
     "tensor2": {"data": 2, "context": 2, "tensor": 2},
+    "tensor2_cp4": {"context": 4, "tensor": 2},
+    "fsdp2_tensor2_cp2": {"fsdp": 2, "tensor": 2, "context": 2},
     "expert2": {"data": 2, "expert": 2, "context": 2},
 }
 # Every mesh but data8 rests the weights sharded (over fsdp, the context axes, tensor or

@@ -20,7 +20,9 @@ from selector.config import MESH_AXES
 def factorisations(n: int, axes: int) -> list[tuple[int, ...]]:
     if axes == 1:
         return [(n,)]
-    return [(d, *rest) for d in (1, 2, 4, 8) if n % d == 0 for rest in factorisations(n // d, axes - 1)]
+    return [
+        (d, *rest) for d in (1, 2, 4, 8) if n % d == 0 for rest in factorisations(n // d, axes - 1)
+    ]
 
 
 MESHES = [f for n in (2, 4, 8) for f in factorisations(n, len(MESH_AXES))]
@@ -33,16 +35,22 @@ def runnable_configs(draw) -> Config:
     cp = sizes["context"] * sizes["context_usp_ulysses"] * sizes["context_autoregressive"]
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     experts = sizes["expert"] * draw(st.sampled_from([2, 4]))
-    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     # Mostly configurations the selector accepts (the point is to run them), with
     # every dispatch, exchange, mode and dtype represented.
-    dispatch = draw(st.sampled_from([Dispatch.auto, Dispatch.megablox, Dispatch.dense,
-                                     Dispatch.subgroup_capacity]))
-    exchange = Exchange.gather if dispatch in (Dispatch.dense, Dispatch.subgroup_capacity) else (
-        draw(st.sampled_from(list(Exchange)))
+    dispatch = draw(
+        st.sampled_from(
+            [Dispatch.auto, Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity]
+        )
+    )
+    exchange = (
+        Exchange.gather
+        if dispatch in (Dispatch.dense, Dispatch.subgroup_capacity)
+        else (draw(st.sampled_from(list(Exchange))))
     )
     capacity_factor = (
-        draw(st.sampled_from([1.0, 2.0])) if dispatch is Dispatch.subgroup_capacity
+        draw(st.sampled_from([1.0, 2.0]))
+        if dispatch is Dispatch.subgroup_capacity
         else draw(st.sampled_from([-1.0, -1.0, 1.5]))
     )
     modes = [Mode.train, Mode.prefill] + ([Mode.decode] if cp == 1 else [])

@@ -69,7 +69,9 @@ def test_every_shipped_moe_model_gives_a_plan(maxtext_dir, base):
     # The routing each family runs in MaxText, mapped onto the block.
     v3 = seen["deepseek3-671b"]
     assert (v3.routed_score_func, v3.routed_bias, v3.routed_scaling_factor) == (
-        ScoreFunc.sigmoid, True, 2.5
+        ScoreFunc.sigmoid,
+        True,
+        2.5,
     )
     assert v3.norm_topk_prob and v3.shared_experts == 1 and not v3.shared_expert_gate
     split = seen["deepseek3-671b-batchsplit"]
@@ -134,8 +136,12 @@ def test_maxtext_findings_read_the_resolved_mesh(base):
 def test_ragged_path_is_not_said_to_gather_the_sequence(base):
     """MaxText's ragged path (megablox=false) measured to keep the sequence sharded:
     no warning; its Pallas path says exactly what was and was not measured."""
-    common = ["model_name=mixtral-8x7b", "ici_context_parallelism=4",
-              "per_device_batch_size=0.25", "num_devices=8"]
+    common = [
+        "model_name=mixtral-8x7b",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "num_devices=8",
+    ]
     ragged = selector.from_maxtext(base, [*common, "megablox=false"])
     assert not codes(ragged.findings)
     pallas = selector.from_maxtext(base, common)
@@ -215,7 +221,9 @@ def test_unreadable_empty_and_looping_files_exit_2(tmp_path, capsys):
 def test_json_and_subprocess(base):
     out = subprocess.run(
         [sys.executable, "-m", "selector", f"maxtext_config={base}", *REPORTED, "output=json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
     data = json.loads(out.stdout)

@@ -1,6 +1,7 @@
 """Several processes on JAX's own distributed runtime: 2 processes x 4 CPU devices
 (gloo collectives over loopback) give the same block as 1 process x 8 devices."""
 
+import json
 import socket
 import subprocess
 
@@ -15,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(out, strategy: str) -> None:
+def two_processes(out, strategy: str) -> list[dict]:
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -28,16 +29,23 @@ def two_processes(out, strategy: str) -> None:
         )
         for i in range(2)
     ]
+    reports = []
     for p in procs:
-        _, err = p.communicate(timeout=600)
+        stdout, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-4000:]
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    return reports
 
 
-@pytest.mark.parametrize("strategy", ["megablox", "subgroup_capacity"])
+@pytest.mark.parametrize("strategy", ["megablox", "subgroup_capacity", "megablox_exchanged"])
 def test_two_processes_match_one(tmp_path, strategy):
+    """Gathered weights, and expert parallelism whose row exchange crosses the process
+    boundary (every context group spans both processes)."""
     one, two = tmp_path / "one.npz", tmp_path / "two.npz"
     assert run_probe("multiprocess", 8, str(one), strategy)["processes"] == 1
-    two_processes(two, strategy)
+    reports = two_processes(two, strategy)
+    if strategy == "megablox_exchanged":
+        assert all(r["processes_per_context_group"] == [2] for r in reports)
     a, b = np.load(one), np.load(two)
     assert sorted(a.files) == sorted(b.files) and "dwi_0_EMH" in a.files
     for key in a.files:

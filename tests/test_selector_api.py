@@ -155,7 +155,9 @@ def test_plan_says_what_the_block_does_with_sharded_weights():
     )
     assert cp.placement.embed_axes == ("fsdp", "context")  # weights rest on cp devices too
     ep = selector.resolve(
-        typed("ici_context_parallelism=4", "per_device_batch_size=0.25", "expert_exchange=all_to_all")
+        typed(
+            "ici_context_parallelism=4", "per_device_batch_size=0.25", "expert_exchange=all_to_all"
+        )
     )
     assert ep.placement.group_axes == ("context",) and ep.placement.experts_per_device == 2
     assert "expert parallel over context=4" in ep.expert_weights

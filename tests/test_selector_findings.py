@@ -140,10 +140,18 @@ CASES = [
     (
         "CAPACITY_COSTLY",
         "warning",
-        ("model=qwen3_next_80b_a3b", "mesh=v5p_128", "capacity_factor=1.25",
-         "max_target_length=8192"),
-        ("model=qwen3_next_80b_a3b", "mesh=v5p_128", "capacity_factor=1.25",
-         "max_target_length=1024"),
+        (
+            "model=qwen3_next_80b_a3b",
+            "mesh=v5p_128",
+            "capacity_factor=1.25",
+            "max_target_length=8192",
+        ),
+        (
+            "model=qwen3_next_80b_a3b",
+            "mesh=v5p_128",
+            "capacity_factor=1.25",
+            "max_target_length=1024",
+        ),
     ),
     ("HARDWARE_INVALID", "error", ("hardware.memory_gib=0",), ("hardware.memory_gib=1",)),
     (
@@ -215,10 +223,18 @@ CASES = [
     (
         "CAPACITY_ZERO",
         "warning",
-        ("capacity_factor=0.5", "capacity_rounding=maxtext", "num_experts_per_tok=1",
-         "max_target_length=8"),
-        ("capacity_factor=0.5", "capacity_rounding=ours", "num_experts_per_tok=1",
-         "max_target_length=8"),
+        (
+            "capacity_factor=0.5",
+            "capacity_rounding=maxtext",
+            "num_experts_per_tok=1",
+            "max_target_length=8",
+        ),
+        (
+            "capacity_factor=0.5",
+            "capacity_rounding=ours",
+            "num_experts_per_tok=1",
+            "max_target_length=8",
+        ),
     ),
     (
         "AXIS_RULE_DUPLICATE",

@@ -193,7 +193,7 @@ def weights_divide_axes(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
             if size % (product * mesh.size(a)) == 0:
                 keep.append(a)
                 product *= mesh.size(a)
-        fixes = [fix(f"weights rest unsplit over the others", **{f"axis_rules__{role}": keep})]
+        fixes = [fix("weights rest unsplit over the others", **{f"axis_rules__{role}": keep})]
         if len(axes) == 1:
             smaller = largest_divisor_at_most(size, mesh.size(axes[0]))
             moved = move(cfg, mesh, {axes[0]: smaller})

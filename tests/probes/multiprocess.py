@@ -1,7 +1,12 @@
 """Probe: the block's fwd+bwd on a (data=2, context=4) mesh, in one process of 8 CPU
 devices or as one of two processes of 4 devices joined by jax.distributed (gloo CPU
 collectives over loopback). Writes the global output, statistics and gradients to an
-.npz (process 0 only) and prints a JSON line.
+.npz (process 0 only) and prints a JSON line (with the processes each context group
+spans).
+
+STRATEGY is a dispatch with its weights gathered, or `megablox_exchanged`: expert
+parallelism over the context axis, on a mesh laid out (context=4, data=2) so that every
+context group holds devices of both processes and the rows cross the process boundary.
 
     probe.py OUT.npz STRATEGY [PROCESS_ID NUM_PROCESSES PORT]
 """
@@ -33,12 +38,17 @@ def main() -> None:
     from layers.programs import block_forward
 
     batch, seq, emb = 4, 64, 64
-    mesh = layers.make_mesh({"data": 2, "context": 4})
+    exchanged = strategy == "megablox_exchanged"
+    sizes = {"context": 4, "data": 2} if exchanged else {"data": 2, "context": 4}
+    mesh = layers.make_mesh(sizes)
+    groups = np.moveaxis(mesh.devices, list(mesh.axis_names).index("context"), -1).reshape(-1, 4)
+    spans = sorted({len({d.process_index for d in group}) for group in groups})
     cfg = selector.compose(
         [
             "model=tiny",
             "mesh=cpu_8",
-            f"dispatch={strategy}",
+            f"dispatch={'megablox' if exchanged else strategy}",
+            f"expert_exchange={'all_to_all' if exchanged else 'gather'}",
             f"capacity_factor={2.0 if strategy == 'subgroup_capacity' else -1}",
             f"per_device_batch_size={batch / 8}",
             f"max_target_length={seq}",
@@ -72,9 +82,19 @@ def main() -> None:
         arrays[f"d{name}"] = collect(getattr(gw, name))
     for key in ("load_balance_loss", "tokens_per_expert", "dropped_tokens"):
         arrays[f"stats_{key}"] = collect(stats[key])
+    assert ("exchange_rounds" in stats) == exchanged
     if process_id == 0:
         np.savez(out_path, **arrays)
-    print(json.dumps({"process": process_id, "processes": processes, "devices": jax.device_count()}))
+    print(
+        json.dumps(
+            {
+                "process": process_id,
+                "processes": processes,
+                "devices": jax.device_count(),
+                "processes_per_context_group": spans,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
