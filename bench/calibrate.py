@@ -36,6 +36,7 @@ MESHES = {
     "fsdp2_cp4": {"fsdp": 2, "context": 4},
     "tensor2_cp4": {"context": 4, "tensor": 2},
     "expert2_cp4": {"expert": 2, "context": 4},
+    "data8": {"data": 8},
 }
 # Fit shapes vary each dimension on its own (tokens, emb, hidden, experts, top-k), so
 # every part's coefficient is pinned by points where it matters.

@@ -71,31 +71,38 @@ class Point:
         )
 
 
+def predicted(point: Point) -> dict:
+    """The selector's numbers for the point, from its config and mesh shape alone (no
+    jax): arguments, outputs, temp and the hand counts behind temp."""
+    cfg = selector.to_config(selector.compose(point.overrides()))
+    plan = selector.resolve(cfg, point.mesh)
+    est = plan.chosen_estimate
+    shape = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    return {
+        "name": est.name,
+        "key": calibration_key(plan.strategy, plan.placement.exchange, cfg),
+        "tokens_per_device": plan.per_device.tokens_per_device,
+        "predicted_arguments": est.memory.arguments,
+        "predicted_outputs": est.memory.outputs,
+        "predicted_temp": est.memory.temp,
+        "parts": memory_parts(plan.strategy, plan.placement.exchange, shape),
+    }
+
+
 def measure(point: Point) -> dict:
     """Compile the point's fwd+bwd and return XLA's bytes next to the selector's."""
     mesh = layers.make_mesh(point.mesh)
     cfg = selector.compose(point.overrides())
     block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-    program = compile_fwd_bwd(block, point.batch(), point.seq)
-    m = program.memory_analysis()
-    plan = block.plan
-    est = plan.chosen_estimate
-    config = selector.to_config(cfg)
-    shape = problem_shape(config, plan.mesh, plan.per_device, plan.placement)
+    m = compile_fwd_bwd(block, point.batch(), point.seq).memory_analysis()
     return {
         "point": point.label(),
         "strategy": point.strategy,
         "exchange": point.exchange,
-        "name": est.name,
-        "key": calibration_key(plan.strategy, plan.placement.exchange, config),
-        "tokens_per_device": plan.per_device.tokens_per_device,
         "arguments": m.argument_size_in_bytes,
         "outputs": m.output_size_in_bytes,
         "temp": m.temp_size_in_bytes,
-        "predicted_arguments": est.memory.arguments,
-        "predicted_outputs": est.memory.outputs,
-        "predicted_temp": est.memory.temp,
-        "parts": memory_parts(plan.strategy, plan.placement.exchange, shape),
+        **predicted(point),
     }
 
 

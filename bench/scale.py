@@ -26,7 +26,7 @@ from bench.common import use_cpu_devices
 use_cpu_devices(64)
 
 from bench.common import load, log_x_axis, pyplot, save, table  # noqa: E402
-from bench.points import Point, device_count, measure  # noqa: E402
+from bench.points import Point, device_count, measure, predicted  # noqa: E402
 from selector.cost import temp_from_parts  # noqa: E402
 
 MODELS = {  # dims from the presets in conf/model (the model cards)
@@ -162,7 +162,16 @@ def _point(r: dict) -> Point:
     """Enough of a Point to rebuild a row from the JSON."""
     mesh = {**SPLITS[r["split"]], "context": r["cp"]}
     dims = MODELS[r["model"]]
-    return Point("megablox", mesh, r["seq"], exchange=r["exchange"], model=r["model"], **dims)
+    return Point(
+        "megablox",
+        mesh,
+        r["seq"],
+        exchange=r["exchange"],
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        model=r["model"],
+        **dims,
+    )
 
 
 def summarise(rows: list[dict]) -> None:
@@ -188,9 +197,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.replot or args.repredict:
         payload = load("scale")
-        if args.repredict:
+        if args.repredict:  # the selector's side again, from each point's config
             payload["rows"] = [
-                row(r["model"], r["split"], _point(r), r["raw"]) for r in payload["rows"]
+                row(r["model"], r["split"], p, {**r["raw"], **predicted(p)})
+                for r in payload["rows"]
+                for p in [_point(r)]
             ]
             summarise(payload["rows"])
         save("scale", payload, plot(payload))

@@ -132,6 +132,12 @@ CASES = [
     ),
     ("NUM_DEVICES_INVALID", "error", ("num_devices=-8",), ("num_devices=8",)),
     ("VALUE_NOT_POSITIVE", "error", ("max_target_length=0",), ("max_target_length=1",)),
+    (
+        "VALUE_TOO_LARGE",
+        "error",
+        ("per_device_batch_size=1e300",),
+        ("per_device_batch_size=1",),
+    ),
     ("CAPACITY_FACTOR_INVALID", "error", ("capacity_factor=nan",), ("capacity_factor=1.5",)),
     ("TOPK_EXCEEDS_EXPERTS", "error", ("num_experts_per_tok=9",), ("num_experts_per_tok=8",)),
     ("DTYPE_UNKNOWN", "error", ("dtype=float64x",), ("dtype=bfloat16",)),

@@ -34,6 +34,26 @@ def positive_dims(cfg: Config) -> list[Finding]:
     ]
 
 
+MAX_TOKENS = 2**40  # per device per step: far beyond any machine
+
+
+def sizes_in_range(cfg: Config) -> list[Finding]:
+    """Sizes past any machine (a typo's 1e300) would only overflow the arithmetic."""
+    if not all(0 < getattr(cfg, n) < math.inf for n in POSITIVE):
+        return []  # positive_dims says so
+    if cfg.per_device_batch_size * cfg.max_target_length <= MAX_TOKENS:
+        return []
+    return [
+        error(
+            "VALUE_TOO_LARGE",
+            "per_device_batch_size",
+            f"per_device_batch_size={cfg.per_device_batch_size:g} x max_target_length="
+            f"{cfg.max_target_length} is more than {MAX_TOKENS:,} tokens a device, beyond any "
+            "machine. Check the value.",
+        )
+    ]
+
+
 def finite_capacity_factor(cfg: Config) -> list[Finding]:
     if math.isfinite(cfg.capacity_factor):
         return []
@@ -159,6 +179,7 @@ def shared_gate_needs_experts(cfg: Config) -> list[Finding]:
 
 
 SETTINGS_RULES = (
+    sizes_in_range,
     routing_groups,
     shared_gate_needs_experts,
     positive_dims,

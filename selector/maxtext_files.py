@@ -1,0 +1,127 @@
+"""Reading MaxText's YAML files the way MaxText reads them: the base_config chain,
+`key=value` overrides typed as YAML scalars, and logical_axis_rules merged across the
+chain; every unreadable input is a MaxTextError naming the file, line or key."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class MaxTextError(ValueError):
+    """A MaxText file or override that cannot be read: the message names it and the fix."""
+
+
+def load_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise MaxTextError(
+            f"MaxText config {str(path)!r} does not exist; check the path given to "
+            "maxtext_config= (or its base_config:)."
+        ) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+        raise MaxTextError(
+            f"MaxText config {str(path)!r} is not readable YAML{where} ({problem}); fix the file."
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MaxTextError(f"MaxText config {str(path)!r} cannot be read ({exc}).") from exc
+    if data is None:
+        raise MaxTextError(f"MaxText config {str(path)!r} is empty; give a config with its keys.")
+    if not isinstance(data, dict):
+        raise MaxTextError(
+            f"MaxText config {str(path)!r} holds a {type(data).__name__}, not a mapping of "
+            "key: value; fix the file."
+        )
+    return data
+
+
+def load_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+    """The file merged over its base_config chain; and the files, root base first."""
+    path = path.resolve()
+    if path in seen:
+        raise MaxTextError(f"base_config loop through {str(path)!r}; break the cycle.")
+    data = load_yaml(path)
+    base = data.get("base_config")
+    if not base:
+        return data, [path]
+    parent, files = load_chain(path.parent / str(base), (*seen, path))
+    return {**parent, **data}, [*files, path]
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """MaxText-style `key=value` strings, values typed as YAML scalars."""
+    parsed = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not key.replace("_", "a").replace(".", "a").isalnum():
+            raise MaxTextError(
+                f"Cannot read the override {item!r}: MaxText overrides take the form key=value "
+                "(for example ici_context_parallelism=4)."
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed[key] = value
+    return parsed
+
+
+def coerce(key: str, value: Any, kind: type) -> Any:
+    """Type-check one value the way the schema would, with a message naming the key."""
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "false"):
+                return str(value).lower() == "true"
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value))
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            return kind(str(value))
+        return str(value)
+    except (TypeError, ValueError, OverflowError):
+        expected = (
+            f"one of {', '.join(m.value for m in kind)}"
+            if isinstance(kind, type) and issubclass(kind, enum.Enum)
+            else kind.__name__
+        )
+        raise MaxTextError(
+            f"{key}={value!r} is not a valid {expected}; give {key} a value of that type."
+        ) from None
+
+
+def merged_rules(files: list[Path], over: dict, raw: dict) -> list | None:
+    """logical_axis_rules as MaxText builds them: each later file's (and an override's)
+    entries merged in front of the earlier ones, unless override_logical_axis_rules."""
+    layers = [load_yaml(f).get("logical_axis_rules") for f in files]
+    if "logical_axis_rules" in over:
+        layers.append(over["logical_axis_rules"])
+    layers = [rules for rules in layers if rules is not None]
+    if not layers:
+        return None
+    if coerce("override_logical_axis_rules", raw.get("override_logical_axis_rules", False), bool):
+        return layers[-1]
+    merged: list = []
+    for rules in reversed(layers):
+        if not isinstance(rules, list):
+            raise MaxTextError(
+                "logical_axis_rules must be a list of [logical_name, mesh_axes] pairs; fix the file."
+            )
+        merged += rules
+    return merged

@@ -1,0 +1,103 @@
+"""The per-device problem in the letters the kernels use, as the cost model sees it:
+sizes, dtypes, how the weights are split, and the rows each expert FFN processes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import DTYPE_BYTES, Config, Dispatch, Exchange, Mode
+from .derive import PerDevice
+from .mesh import MeshView
+from .placement import WeightPlacement
+
+ROUND_ALIGN = 8  # exchange buffers hold a multiple of 8 rows per owner (as the layers)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The per-device problem in the letters the kernels use."""
+
+    T: float  # tokens per device
+    G: float  # subgroups per device (sequences x sequence shards held)
+    S: float  # tokens per subgroup (sub-sequence)
+    E: int
+    k: int
+    C: int  # per-subgroup capacity (capacity path only)
+    M: int
+    H: float  # hidden per device (split over the hidden axes)
+    Hs: float  # shared experts' hidden per device (shared_experts x H)
+    E_c: int  # experts a device computes with (E gathered; E / group exchanged)
+    group: int  # expert-group size (1 when gathered)
+    gathered: int  # devices the weights are gathered from (1: nothing gathered)
+    rest_shards: int  # shards of the expert weights at rest
+    gate_shards: int  # shards of the router kernel at rest
+    replicas: int  # devices holding the same weight shard (their gradients are summed)
+    xb: int  # bytes per element of the compute dtype
+    pb: int  # bytes per element of the parameters
+    passes: int  # 3 when training (forward plus a backward of about twice its cost)
+    tile: int
+    buffer_factor: float
+    ragged: bool  # the exchange sends exactly the rows (no padding to B)
+    train: bool
+
+
+def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement) -> Shape:
+    cap = dev.capacity_per_subgroup
+    if cap is None:  # a dropless run priced on the capacity path: the factor-1 capacity
+        cap = max(1, math.ceil(dev.expected_tokens_per_expert))
+    xb = DTYPE_BYTES.get(cfg.dtype, 4)
+    exchanged = place.exchange is Exchange.all_to_all
+    group = mesh.product(place.group_axes) if exchanged else 1
+    rest = mesh.product(place.experts_axes + place.embed_axes + place.hidden_axes)
+    # Exchanged weights keep their expert split; only the embed split is gathered.
+    gathered = mesh.product(place.embed_axes + (() if exchanged else place.experts_axes))
+    return Shape(
+        T=dev.tokens_per_device,
+        G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
+        S=dev.sub_seq,
+        E=cfg.num_experts,
+        k=cfg.num_experts_per_tok,
+        C=cap,
+        M=cfg.base_emb_dim,
+        H=cfg.base_moe_mlp_dim / mesh.product(place.hidden_axes),
+        Hs=cfg.shared_experts * cfg.base_moe_mlp_dim / mesh.product(place.hidden_axes),
+        E_c=cfg.num_experts // group if exchanged else cfg.num_experts,
+        group=group,
+        gathered=gathered,
+        rest_shards=rest,
+        gate_shards=mesh.product(place.embed_axes),
+        replicas=max(1, mesh.num_devices // rest),
+        xb=xb,
+        pb=DTYPE_BYTES.get(cfg.param_dtype, 4),
+        passes=3 if cfg.mode is Mode.train else 1,
+        tile=cfg.gmm_tile_rows,
+        buffer_factor=cfg.expert_buffer_factor,
+        ragged=cfg.hardware.platform != "cpu",
+        train=cfg.mode is Mode.train,
+    )
+
+
+def buffer_rows(p: Shape) -> float:
+    """B: rows a device may send each owner per round (the layers' formula)."""
+    share = p.buffer_factor * p.T * p.k / p.group
+    return max(ROUND_ALIGN, ROUND_ALIGN * math.ceil(share / ROUND_ALIGN - 1e-9))
+
+
+def rows(strategy: Dispatch, p: Shape) -> float:
+    """Rows each expert FFN processes per device, summed over experts."""
+    if strategy is Dispatch.mlp:
+        return p.T
+    if strategy is Dispatch.megablox:
+        # Each expert's group is padded to a whole tile: on average half a tile each.
+        return p.T * p.k + min(p.E_c, p.T * p.k) * p.tile / 2
+    if strategy is Dispatch.dense:
+        return p.T * p.E
+    return p.G * p.E * p.C  # subgroup_capacity
+
+
+def compute_weight_elements(strategy: Dispatch, p: Shape) -> float:
+    """Elements of the expert weights a device computes with (its hidden slice),
+    shared experts included."""
+    experts = 1 if strategy is Dispatch.mlp else p.E_c
+    return experts * 3 * p.M * p.H + 3 * p.M * p.Hs
