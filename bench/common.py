@@ -91,19 +91,58 @@ def machine() -> dict:
 
 # Table columns (key, header) shared by each study's printout and bench/report.py.
 MEMORY_COLUMNS = [
-    ("strategy", "strategy"),
+    ("variant", "variant"),
     ("cp", "cp"),
     ("tokens_per_device", "tokens/device"),
-    ("temp_mib", "compiled MiB"),
+    ("arguments_mib", "args MiB"),
+    ("temp_mib", "temp MiB"),
+    ("total_mib", "args+temp MiB"),
     ("predicted_mib", "selector MiB"),
     ("error", "selector error"),
 ]
+
 CP_RATIO_COLUMNS = [
-    ("strategy", "strategy"),
+    ("variant", "variant"),
     ("cp1", "cp=1 MiB"),
     ("cp4", "cp=4 MiB"),
     ("ratio", "cp=4 / cp=1"),
 ]
+
+EXCHANGE_TIME_COLUMNS = [
+    ("cp", "cp"),
+    ("gathered_s", "gathered s"),
+    ("exchanged_s", "exchanged s"),
+    ("ratio", "exchanged / gathered"),
+]
+
+SCALE_COLUMNS = [
+    ("model", "model"),
+    ("split", "split"),
+    ("seq", "seq"),
+    ("cp", "cp"),
+    ("devices", "devices"),
+    ("exchange", "weights"),
+    ("arguments_mib", "args MiB"),
+    ("arguments_error", "pred."),
+    ("outputs_mib", "out MiB"),
+    ("outputs_error", "pred."),
+    ("temp_mib", "temp MiB"),
+    ("temp_error", "pred."),
+    ("total_mib", "args+temp MiB"),
+    ("total_error", "pred."),
+]
+
+TRAIN_COLUMNS = [
+    ("setting", "setting"),
+    ("cp", "cp"),
+    ("global_batch", "global batch"),
+    ("tokens_per_device", "tokens/device"),
+    ("arguments_mib", "args MiB"),
+    ("temp_mib", "temp MiB"),
+    ("total_mib", "args+temp MiB"),
+    ("vs_cp1", "vs cp=1"),
+]
+
 SPEED_COLUMNS = [
     ("strategy", "strategy"),
     ("experts", "E"),

@@ -25,6 +25,9 @@ from flax import nnx  # noqa: E402
 import layers  # noqa: E402
 import selector  # noqa: E402
 from bench.common import (  # noqa: E402
+    CP_RATIO_COLUMNS,
+    EXCHANGE_TIME_COLUMNS,
+    MEMORY_COLUMNS,
     interleaved,
     load,
     log_x_axis,
@@ -46,28 +49,6 @@ VARIANTS = (
     ("megablox", "gather"),
     ("megablox", "all_to_all"),
 )
-COLUMNS = [
-    ("variant", "variant"),
-    ("cp", "cp"),
-    ("tokens_per_device", "tokens/device"),
-    ("arguments_mib", "args MiB"),
-    ("temp_mib", "temp MiB"),
-    ("total_mib", "args+temp MiB"),
-    ("predicted_mib", "selector MiB"),
-    ("error", "selector error"),
-]
-RATIO_COLUMNS = [
-    ("variant", "variant"),
-    ("cp1", "cp=1 MiB"),
-    ("cp4", "cp=4 MiB"),
-    ("ratio", "cp=4 / cp=1"),
-]
-TIME_COLUMNS = [
-    ("cp", "cp"),
-    ("gathered_s", "gathered s"),
-    ("exchanged_s", "exchanged s"),
-    ("ratio", "exchanged / gathered"),
-]
 
 
 def point(strategy: str, exchange: str, cp: int) -> Point:
@@ -213,9 +194,9 @@ def main() -> None:
             flush=True,
         )
     times = [timing(cp, args.runs) for cp in CPS[1:]]
-    print(table(rows, COLUMNS))
-    print("\ncp=4 / cp=1 (args + temp)\n" + table(summary(rows), RATIO_COLUMNS))
-    print("\nwall time of fwd+bwd on this CPU\n" + table(times, TIME_COLUMNS))
+    print(table(rows, MEMORY_COLUMNS))
+    print("\ncp=4 / cp=1 (args + temp)\n" + table(summary(rows), CP_RATIO_COLUMNS))
+    print("\nwall time of fwd+bwd on this CPU\n" + table(times, EXCHANGE_TIME_COLUMNS))
     payload = {
         "machine": machine(),
         "shape": SHAPE,

@@ -5,11 +5,17 @@ python -m bench.report > /tmp/results.md   # then paste under "## Results"
 
 from __future__ import annotations
 
-from bench.common import GMM_COLUMNS, SPEED_COLUMNS, load, table
-from bench.memory import COLUMNS as MEMORY_COLUMNS
-from bench.memory import RATIO_COLUMNS, TIME_COLUMNS
-from bench.scale import COLUMNS as SCALE_COLUMNS
-from bench.train_memory import COLUMNS as TRAIN_COLUMNS
+from bench.common import (
+    CP_RATIO_COLUMNS,
+    EXCHANGE_TIME_COLUMNS,
+    GMM_COLUMNS,
+    MEMORY_COLUMNS,
+    SCALE_COLUMNS,
+    SPEED_COLUMNS,
+    TRAIN_COLUMNS,
+    load,
+    table,
+)
 
 CAL_COLUMNS = [
     ("key", "strategy"),
@@ -34,11 +40,11 @@ def memory_section(mem: dict) -> list[str]:
         "prediction of the same bytes.\n",
         table(mem["rows"], MEMORY_COLUMNS),
         "",
-        table(mem["summary"], RATIO_COLUMNS),
+        table(mem["summary"], CP_RATIO_COLUMNS),
         "",
         "Wall time of fwd+bwd on this 2-core CPU, exchanged against gathered megablox, "
         "timed in alternation (median of each):\n",
-        table(mem["timing"], TIME_COLUMNS),
+        table(mem["timing"], EXCHANGE_TIME_COLUMNS),
         "",
         "![memory](bench/results/memory.png)\n",
     ]

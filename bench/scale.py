@@ -25,7 +25,7 @@ from bench.common import use_cpu_devices
 
 use_cpu_devices(64)
 
-from bench.common import load, log_x_axis, pyplot, save, table  # noqa: E402
+from bench.common import SCALE_COLUMNS, load, log_x_axis, pyplot, save, table  # noqa: E402
 from bench.points import Point, device_count, measure, predicted  # noqa: E402
 from selector.cost import temp_from_parts  # noqa: E402
 
@@ -39,22 +39,6 @@ SPLITS = {
     "data2_fsdp2_expert2": {"data": 2, "fsdp": 2, "expert": 2},
 }
 CPS = (1, 2, 4, 8)
-COLUMNS = [
-    ("model", "model"),
-    ("split", "split"),
-    ("seq", "seq"),
-    ("cp", "cp"),
-    ("devices", "devices"),
-    ("exchange", "weights"),
-    ("arguments_mib", "args MiB"),
-    ("arguments_error", "pred."),
-    ("outputs_mib", "out MiB"),
-    ("outputs_error", "pred."),
-    ("temp_mib", "temp MiB"),
-    ("temp_error", "pred."),
-    ("total_mib", "args+temp MiB"),
-    ("total_error", "pred."),
-]
 
 
 def points(seqs) -> list[tuple[str, str, Point]]:
@@ -175,7 +159,7 @@ def _point(r: dict) -> Point:
 
 
 def summarise(rows: list[dict]) -> None:
-    print(table(rows, COLUMNS))
+    print(table(rows, SCALE_COLUMNS))
     errors = [
         abs(float(r[k].rstrip("%")) / 100)
         for r in rows

@@ -23,22 +23,20 @@ import jax  # noqa: E402
 
 import layers  # noqa: E402
 import selector  # noqa: E402
-from bench.common import load, log_x_axis, machine, pyplot, save, table  # noqa: E402
+from bench.common import (  # noqa: E402
+    TRAIN_COLUMNS,
+    load,
+    log_x_axis,
+    machine,
+    pyplot,
+    save,
+    table,
+)
 from examples.train import TrainSettings, setup  # noqa: E402
 
 SEQ = 2048
 CPS = (1, 2, 4)
 SETTINGS = TrainSettings(vocab=64, layers=2, heads=4)
-COLUMNS = [
-    ("setting", "setting"),
-    ("cp", "cp"),
-    ("global_batch", "global batch"),
-    ("tokens_per_device", "tokens/device"),
-    ("arguments_mib", "args MiB"),
-    ("temp_mib", "temp MiB"),
-    ("total_mib", "args+temp MiB"),
-    ("vs_cp1", "vs cp=1"),
-]
 
 
 def compiled_step_bytes(cp: int, per_device_batch_size: float) -> dict:
@@ -106,7 +104,7 @@ def main() -> None:
             row["vs_cp1"] = row["total_mib"] / first
             rows.append(row)
             print(f"  {setting:<26} cp={cp}: {row['total_mib']:.1f} MiB", flush=True)
-    print(table(rows, COLUMNS))
+    print(table(rows, TRAIN_COLUMNS))
     payload = {"machine": machine(), "seq": SEQ, "settings": vars(SETTINGS), "rows": rows}
     print("wrote", *save("train_memory", payload, plot(payload)))
 
