@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -207,3 +208,20 @@ def log_x_axis(ax, ticks) -> None:
 def load(study: str) -> dict:
     """The JSON a study last wrote (for --replot)."""
     return json.loads((RESULTS / f"{study}.json").read_text())
+
+
+def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | None:
+    """A study's command line: `--replot` redraws the PNG from the JSON and returns None.
+
+    `options` maps a flag name to argparse keywords (`runs={"type": int, "default": 3}`).
+    """
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    for name, keywords in options.items():
+        parser.add_argument(f"--{name}", **keywords)
+    args = parser.parse_args()
+    if args.replot:
+        payload = load(study)
+        print("wrote", *save(study, payload, plot(payload)))
+        return None
+    return args

@@ -11,16 +11,14 @@ Ratios are of medians of `--runs` runs each.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import (
     GMM_COLUMNS,
+    arguments,
     interleaved,
-    load,
     log_x_axis,
     machine,
     median,
@@ -81,12 +79,8 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
-    args = parser.parse_args()
-    if args.replot:
-        print("wrote", *save("gmm", load("gmm"), plot(load("gmm"))))
+    args = arguments("gmm", __doc__, plot, runs={"type": int, "default": 5})
+    if args is None:
         return
     x = jax.random.normal(jax.random.key(0), (ROWS, EMB))
     w_dense = jax.random.normal(jax.random.key(1), (EMB, HIDDEN)) * 0.02

@@ -13,8 +13,6 @@ ratio of medians).
 
 from __future__ import annotations
 
-import argparse
-
 from bench.common import use_cpu_devices
 
 use_cpu_devices(8)
@@ -28,8 +26,8 @@ from bench.common import (  # noqa: E402
     CP_RATIO_COLUMNS,
     EXCHANGE_TIME_COLUMNS,
     MEMORY_COLUMNS,
+    arguments,
     interleaved,
-    load,
     log_x_axis,
     machine,
     median,
@@ -178,12 +176,8 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
-    args = parser.parse_args()
-    if args.replot:
-        print("wrote", *save("memory", load("memory"), plot(load("memory"))))
+    args = arguments("memory", __doc__, plot, runs={"type": int, "default": 3})
+    if args is None:
         return
     rows = []
     for cp in CPS:

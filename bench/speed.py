@@ -12,8 +12,6 @@ minutes are skipped and marked so.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,9 +20,9 @@ import layers
 import selector
 from bench.common import (
     SPEED_COLUMNS,
+    arguments,
     block_overrides,
     interleaved,
-    load,
     log_x_axis,
     machine,
     median,
@@ -132,12 +130,9 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="E=64, seq 8192, 3 runs")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
-    args = parser.parse_args()
-    if args.replot:
-        print("wrote", *save("speed", load("speed"), plot(load("speed"))))
+    quick = {"action": "store_true", "help": "E=64, seq 8192, 3 runs"}
+    args = arguments("speed", __doc__, plot, quick=quick)
+    if args is None:
         return
     runs = 3 if args.quick else 5
     grid = [(64, 8192)] if args.quick else [(e, s) for e in (8, 64, 128) for s in (1024, 8192)]

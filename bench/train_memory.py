@@ -13,8 +13,6 @@ per-device bytes, at cp = 1, 2, 4 on a (data=2, context=cp) mesh.
 
 from __future__ import annotations
 
-import argparse
-
 from bench.common import use_cpu_devices
 
 use_cpu_devices(8)
@@ -25,7 +23,7 @@ import layers  # noqa: E402
 import selector  # noqa: E402
 from bench.common import (  # noqa: E402
     TRAIN_COLUMNS,
-    load,
+    arguments,
     log_x_axis,
     machine,
     pyplot,
@@ -86,11 +84,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
-    args = parser.parse_args()
-    if args.replot:
-        print("wrote", *save("train_memory", load("train_memory"), plot(load("train_memory"))))
+    if arguments("train_memory", __doc__, plot) is None:
         return
     rows = []
     for setting, pdbs in (
