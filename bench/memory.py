@@ -60,7 +60,7 @@ def name(strategy: str, exchange: str) -> str:
 
 
 def flatten_row(cp: int) -> dict:
-    """Today's frameworks' block: the same megablox computation on (batch x sequence)
+    """The bug report's block: the same megablox computation on (batch x sequence)
     flattened and sorted globally under plain jit."""
     p = point("megablox", "gather", cp)
     cfg = selector.compose(p.overrides())
@@ -162,7 +162,7 @@ def plot(payload: dict):
         "--",
         color="gray",
         lw=2,
-        label="flatten baseline (today's frameworks)",
+        label="flatten baseline (the bug report's block)",
     )
     ax.set(
         yscale="log",

@@ -35,8 +35,8 @@ def memory_section(mem: dict) -> list[str]:
         f"hidden {s['hidden']}, E={s['experts']}, k={s['top_k']}, float32, capacity factor "
         "1.25 for the capacity path. `megablox/all_to_all` folds the context devices into "
         "the expert group (cp=1 has no group: it is the gathered program). The flatten "
-        "baseline is today's frameworks' block: our megablox computation on the flattened "
-        "(batch x sequence) sorted globally under plain jit. `selector` is the cost model's "
+        "baseline is the block the bug report describes: our megablox computation on the "
+        "flattened (batch x sequence) sorted globally under plain jit. `selector` is the cost model's "
         "prediction of the same bytes.\n",
         table(mem["rows"], MEMORY_COLUMNS),
         "",

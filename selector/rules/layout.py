@@ -150,8 +150,8 @@ def sequence_divides_cp(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
             error(
                 "SEQUENCE_NOT_DIVISIBLE",
                 "max_target_length",
-                f"max_target_length={seq} is not divisible by cp={dev.cp}; frameworks that "
-                "meet this silently fall back to cp=1 in the MoE block"
+                f"max_target_length={seq} is not divisible by cp={dev.cp}, so the sequence "
+                "cannot be split evenly over the sequence shards"
                 + (
                     f" (and context_parallel_load_balance=true needs a multiple of {unit})"
                     if balance
