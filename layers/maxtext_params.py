@@ -113,22 +113,7 @@ def load_maxtext(block, tree: dict, layout: str | None = None) -> None:
                 f"{'/'.join(path)}: {value.dtype}{tuple(value.shape)} does not fit the block's "
                 f"{target.dtype}{tuple(target.shape)} ({name})"
             )
-        _variable(block, name)[...] = jax.device_put(value, target.sharding)
-
-
-def _variable(block, name: str):
-    """The nnx variable holding ExpertWeights field `name`."""
-    return {
-        "gate_ME": lambda: block.gate.kernel,
-        "bias_E": lambda: block.gate.bias,
-        "wi_0_EMH": lambda: block.wi_0,
-        "wi_1_EMH": lambda: block.wi_1,
-        "wo_EHM": lambda: block.wo,
-        "shared_wi_0_MS": lambda: block.shared_experts.wi_0.kernel,
-        "shared_wi_1_MS": lambda: block.shared_experts.wi_1.kernel,
-        "shared_wo_SM": lambda: block.shared_experts.wo.kernel,
-        "shared_gate_M1": lambda: block.shared_expert_gate.kernel,
-    }[name]()
+        block.variables()[name][...] = jax.device_put(value, target.sharding)
 
 
 __all__ = ["LAYOUTS", "ExpertWeights", "layout_for", "load_maxtext", "paths", "to_maxtext"]

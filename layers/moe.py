@@ -231,25 +231,26 @@ class MoEBlock(nnx.Module):
         names = list(shapes)
         return names, [shapes[n] for n in names], [self.layout.named(specs[n]) for n in names]
 
+    def variables(self) -> dict[str, nnx.Variable | None]:
+        """The nnx variable behind each ExpertWeights field (None where the model has
+        none): the one map from MaxText's module tree to the strategies' names."""
+        shared, gate = self.shared_experts, self.shared_expert_gate
+        return {
+            "gate_ME": self.gate.kernel,
+            "wi_0_EMH": self.wi_0,
+            "wi_1_EMH": self.wi_1,
+            "wo_EHM": self.wo,
+            "bias_E": self.gate.bias,
+            "shared_wi_0_MS": None if shared is None else shared.wi_0.kernel,
+            "shared_wi_1_MS": None if shared is None else shared.wi_1.kernel,
+            "shared_wo_SM": None if shared is None else shared.wo.kernel,
+            "shared_gate_M1": None if gate is None else gate.kernel,
+        }
+
     def weights(self) -> ExpertWeights:
         """The parameters as a pytree (abstract ShapeDtypeStructs under nnx.eval_shape)."""
-
-        def value(v):
-            return None if v is None else v.get_value()
-
-        shared = self.shared_experts
         return ExpertWeights(
-            gate_ME=value(self.gate.kernel),
-            wi_0_EMH=value(self.wi_0),
-            wi_1_EMH=value(self.wi_1),
-            wo_EHM=value(self.wo),
-            bias_E=value(self.gate.bias),
-            shared_wi_0_MS=None if shared is None else value(shared.wi_0.kernel),
-            shared_wi_1_MS=None if shared is None else value(shared.wi_1.kernel),
-            shared_wo_SM=None if shared is None else value(shared.wo.kernel),
-            shared_gate_M1=(
-                None if self.shared_expert_gate is None else value(self.shared_expert_gate.kernel)
-            ),
+            **{n: None if v is None else v.get_value() for n, v in self.variables().items()}
         )
 
     def __call__(self, x_BSM):

@@ -105,14 +105,6 @@ class Layout:
     def w_EHM(self) -> P:
         return P(_entry(self.experts), _entry(self.hidden), _entry(self.embed))
 
-    def param_specs(self) -> dict[str, P]:
-        return {
-            "gate.kernel": self.gate_ME,
-            "wi_0": self.w_EMH,
-            "wi_1": self.w_EMH,
-            "wo": self.w_EHM,
-        }
-
     def weight_specs(self) -> dict[str, P]:
         """At-rest spec per ExpertWeights field: shared experts rest like one expert
         (embed and hidden split), the router's bias replicated (E floats)."""

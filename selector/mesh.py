@@ -69,7 +69,7 @@ class MeshView:
         }
 
 
-def _fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> dict | None:
+def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> dict | None:
     """Sizes of one tier (ici or dcn) with its `-1` filled; None if it cannot be."""
     sizes = {a: cfg.parallelism(tier, a) for a in MESH_AXES}
     for axis, size in sizes.items():
@@ -159,8 +159,8 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
             )
             return None, findings
         per_slice = cfg.num_devices // cfg.num_slices
-    ici = _fill_tier(cfg, "ici", per_slice, findings)
-    dcn = _fill_tier(cfg, "dcn", cfg.num_slices, findings)
+    ici = fill_tier(cfg, "ici", per_slice, findings)
+    dcn = fill_tier(cfg, "dcn", cfg.num_slices, findings)
     if ici is None or dcn is None:
         return None, findings
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}

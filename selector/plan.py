@@ -139,6 +139,15 @@ def _verified(cfg: Config, live_shape, finding: Finding, before: list[Finding]) 
     return finding.with_fixes(tuple(good))
 
 
+def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], WeightPlacement]:
+    """Every (dispatch, exchange) candidate and where its weights would rest."""
+    return {
+        (s, ex): place
+        for s in candidates_for(cfg)
+        for ex, place in exchange_candidates(cfg, mesh, s).items()
+    }
+
+
 def _analyse(
     cfg: Config, live_shape: Mapping[str, int] | None
 ) -> tuple[DispatchPlan | None, list[Finding]]:
@@ -164,18 +173,9 @@ def _analyse(
     for rule in rules.LAYOUT_RULES:
         findings += rule(cfg, mesh, dev)
 
-    placements = {
-        (s, ex): place
-        for s in candidates_for(cfg)
-        for ex, place in exchange_candidates(cfg, mesh, s).items()
-    }
+    placements = _placements(cfg, mesh)
     if not placements:  # nothing can honour expert_exchange: gather, and say so below
-        gather = cfg.replace(expert_exchange=Exchange.gather)
-        placements = {
-            (s, ex): place
-            for s in candidates_for(cfg)
-            for ex, place in exchange_candidates(gather, mesh, s).items()
-        }
+        placements = _placements(cfg.replace(expert_exchange=Exchange.gather), mesh)
     estimates = {k: estimate(k[0], place, cfg, mesh, dev) for k, place in placements.items()}
     (strategy, exchange), reason, verdicts = choose(cfg, estimates)
     chosen = estimates[(strategy, exchange)]

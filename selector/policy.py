@@ -71,13 +71,6 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.3g} GiB"
 
 
-def _name(key: Key) -> str:
-    strategy, exchange = key
-    if strategy is Dispatch.megablox:
-        return f"megablox/{exchange.value}"
-    return strategy.value
-
-
 def _why_faster(est: Estimate) -> str:
     compute, hbm, network = est.time_parts
     return (
@@ -152,7 +145,7 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
         runner_up = [k for k in dropless if k != chosen]
         if runner_up:
             other = min(runner_up, key=lambda k: estimates[k].time_s)
-            reason += f"; next: {_name(other)} ({_why_faster(estimates[other])})"
+            reason += f"; next: {estimates[other].name} ({_why_faster(estimates[other])})"
         for k in feasible:
             if k != chosen:
                 verdicts[k] = "slower (estimated)"

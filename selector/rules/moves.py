@@ -8,30 +8,17 @@ jax mesh cannot be changed by a setting, so no move is proposed there.
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 from ..config import MESH_AXES, Config
-from ..mesh import MeshView
-
-
-def dcn_sizes(cfg: Config) -> dict[str, int] | None:
-    """Each axis's dcn size with its -1 filled from num_slices; None if not whole."""
-    sizes = {a: cfg.parallelism("dcn", a) for a in MESH_AXES}
-    fill = [a for a, s in sizes.items() if s == -1]
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    if fill:
-        if len(fill) > 1 or cfg.num_slices % fixed:
-            return None
-        sizes[fill[0]] = cfg.num_slices // fixed
-    return sizes
+from ..mesh import MeshView, fill_tier
 
 
 def ici_sizes(cfg: Config, mesh: MeshView) -> dict[str, int] | None:
     """Each axis's resolved ici size (the mesh size over its dcn size)."""
     if mesh.source != "config":
         return None
-    dcn = dcn_sizes(cfg)
+    dcn = fill_tier(cfg, "dcn", cfg.num_slices, [])  # the mesh reported any problem
     if dcn is None:
         return None
     return {a: mesh.size(a) // dcn[a] for a in MESH_AXES}
