@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from .api import analyse_any
-from .compose import compose, to_config
+from .compose import compose, override_key, to_config
 from .config import OutputFormat
 from .findings import ConfigError, errors_in
 from .maxtext import MaxTextError, from_maxtext
@@ -82,7 +82,7 @@ def _first_line(text) -> str:
 def explain(exc: BaseException, line: str) -> str:
     """One paragraph naming the setting and the fix, for an override that fails."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else None
-    key = line.split("=", 1)[0].lstrip("+~")
+    key = override_key(line)
     if isinstance(exc, ConfigError):
         return exc.findings[0].message
     if isinstance(exc, OverrideParseException):
@@ -166,7 +166,7 @@ def _culprit(lines: list[str], exc: BaseException) -> str:
     """The override to blame: the one the error names, else the first failing alone."""
     if isinstance(exc, ConfigError):
         key = exc.findings[0].setting
-        return next((ln for ln in lines if ln.split("=", 1)[0].lstrip("+~") == key), key)
+        return next((ln for ln in lines if override_key(ln) == key), key)
     for line in lines:
         try:
             compose([line])

@@ -71,7 +71,8 @@ def unknown_setting(key: str, where: str = "") -> ConfigError:
     )
 
 
-def _override_key(line: str) -> str:
+def override_key(line: str) -> str:
+    """The setting an override line names (`+a.b=1` -> `a.b`)."""
     return line.split("=", 1)[0].lstrip("+~")
 
 
@@ -82,7 +83,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     closest real keys, whether it is set plainly or added with Hydra's `+`/`++`.
     """
     for line in overrides:
-        key = _override_key(line)
+        key = override_key(line)
         if line.startswith("+") and key.split(".")[0] not in GROUPS:
             if key in valid_keys():
                 raise ConfigError(
@@ -126,7 +127,7 @@ def _missing_key(exc: BaseException, overrides: Sequence[str]) -> str | None:
     if "not in struct" not in text and "Could not override" not in text:
         return None
     for line in overrides:
-        key = _override_key(line)
+        key = override_key(line)
         if f"'{key}'" in text or key in text.split():
             return key
     return None
