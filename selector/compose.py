@@ -51,14 +51,20 @@ def valid_keys() -> list[str]:
     return sorted(_FIELDS | nested | set(GROUPS))
 
 
-def close_keys(key: str, cutoff: float = 0.6) -> list[str]:
-    return difflib.get_close_matches(key, valid_keys(), n=3, cutoff=cutoff)
+def close_keys(key: str, cutoff: float = 0.6, choices=None) -> list[str]:
+    """Up to three of `choices` (every setting by default) spelled like `key`."""
+    return difflib.get_close_matches(key, choices or valid_keys(), n=3, cutoff=cutoff)
+
+
+def did_you_mean(key: str, choices=None) -> str:
+    """' Did you mean a or b?' for the keys spelled like `key`, or ''."""
+    close = close_keys(key, choices=choices)
+    return f" Did you mean {' or '.join(close)}?" if close else ""
 
 
 def unknown_setting(key: str, where: str = "") -> ConfigError:
     """ConfigError for a key the schema does not have, with the closest real keys."""
-    close = close_keys(key)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    hint = did_you_mean(key)
     return ConfigError(
         [
             error(

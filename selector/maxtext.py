@@ -17,7 +17,6 @@ MaxText's `num_slices: -1` (detect) is taken as one slice unless the dcn knobs s
 
 from __future__ import annotations
 
-import difflib
 import math
 import typing
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .compose import conf_dir as packaged_conf
+from .compose import did_you_mean
 from .config import (
     MESH_AXES,
     CapacityRounding,
@@ -198,8 +198,7 @@ def _num_slices(raw: dict, notes: list[str]) -> int:
 
 
 def _unknown_override(key: str, allowed: set[str]) -> MaxTextError:
-    close = difflib.get_close_matches(key, sorted(allowed), n=3, cutoff=0.6)
-    hint = f" Did you mean {' or '.join(close)}?" if close else ""
+    hint = did_you_mean(key, sorted(allowed))
     return MaxTextError(
         f"Unknown setting {key!r}: it is in neither the MaxText config chain nor this "
         f"check's own keys ({', '.join(OWN_KEYS)}), so nothing would read it.{hint}"
@@ -275,7 +274,8 @@ def from_maxtext(
     values.update(routed)
     cfg = Config(**values)
     if "expert_exchange" not in raw and sparse and _expert_axis(cfg) > 1:
-        # MaxText's grouped matmul exchanges rows over its expert axis (ragged all-to-all).
+        # MaxText's grouped matmul exchanges rows over its expert axis by ragged
+        # all-to-all (read in MaxText 0.2.5's layers/moe.py; not run here).
         cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)

@@ -13,16 +13,6 @@ from typing import Any
 from .config import MESH_AXES, AxisRules
 from .maxtext_files import MaxTextError
 
-# Our axis roles <- MaxText logical names, the MoE block's own first (MaxText 0.2.5's
-# base.yml), the general ones for older configs.
-LOGICAL_ROLES = {
-    "batch": ("activation_batch_moe", "activation_batch"),
-    "sequence": ("activation_length_moe", "activation_length"),
-    "experts": ("exp",),
-    "hidden": ("mlp_moe", "mlp"),
-    "embed": ("embed_moe", "embed"),
-}
-
 
 def _assign(dims: tuple[str, ...], rules: list) -> tuple[list[list[str]], list[str]]:
     """Mesh axes per dim as flax's logical_to_mesh_axes assigns them: walk the rules in
