@@ -225,3 +225,10 @@ def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | Non
         print("wrote", *save(study, payload, plot(payload)))
         return None
     return args
+
+
+def prediction_errors(
+    rows: list[dict], keys=("arguments_error", "outputs_error", "temp_error", "total_error")
+) -> list[float]:
+    """|error| of every prediction in bench.scale's rows (stored as '+1.2%' strings)."""
+    return [abs(float(r[k].rstrip("%")) / 100) for r in rows for k in keys]

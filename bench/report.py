@@ -14,6 +14,7 @@ from bench.common import (
     SPEED_COLUMNS,
     TRAIN_COLUMNS,
     load,
+    prediction_errors,
     table,
 )
 
@@ -74,12 +75,8 @@ def calibrate_section(cal: dict) -> list[str]:
 
 def scale_section(sc: dict) -> list[str]:
     rows = sc["rows"]
-    errors = [
-        abs(float(r[k].rstrip("%")) / 100)
-        for r in rows
-        for k in ("arguments_error", "outputs_error", "temp_error", "total_error")
-    ]
-    temp = [abs(float(r["temp_error"].rstrip("%")) / 100) for r in rows]
+    errors = prediction_errors(rows)
+    temp = prediction_errors(rows, ("temp_error",))
     shown = [r for r in rows if r["seq"] == min(sc["seqs"])]
     return [
         "### The real models' sizes (`python -m bench.scale`)\n",

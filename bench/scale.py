@@ -25,7 +25,15 @@ from bench.common import use_cpu_devices
 
 use_cpu_devices(64)
 
-from bench.common import SCALE_COLUMNS, load, log_x_axis, pyplot, save, table  # noqa: E402
+from bench.common import (  # noqa: E402
+    SCALE_COLUMNS,
+    load,
+    log_x_axis,
+    prediction_errors,
+    pyplot,
+    save,
+    table,
+)
 from bench.points import Point, device_count, measure, predicted  # noqa: E402
 from selector.cost import temp_from_parts  # noqa: E402
 
@@ -43,26 +51,29 @@ CPS = (1, 2, 4, 8)
 
 def points(seqs) -> list[tuple[str, str, Point]]:
     out = []
-    for model, dims in MODELS.items():
+    for model in MODELS:
         for split, base in SPLITS.items():
             for seq in seqs:
                 for cp in CPS:
-                    mesh = {**base, "context": cp}
                     for exchange in ("gather", "all_to_all"):
                         if exchange == "all_to_all" and cp == 1 and "expert" not in base:
                             continue  # no expert group to exchange over
-                        point = Point(
-                            "megablox",
-                            mesh,
-                            seq,
-                            exchange=exchange,
-                            dtype="bfloat16",
-                            param_dtype="bfloat16",
-                            model=model,
-                            **dims,
-                        )
-                        out.append((model, split, point))
+                        out.append((model, split, scale_point(model, split, seq, cp, exchange)))
     return out
+
+
+def scale_point(model: str, split: str, seq: int, cp: int, exchange: str) -> Point:
+    """One layer of `model` on `split` x context=cp, bfloat16 weights and compute."""
+    return Point(
+        "megablox",
+        {**SPLITS[split], "context": cp},
+        seq,
+        exchange=exchange,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        model=model,
+        **MODELS[model],
+    )
 
 
 def row(model: str, split: str, point: Point, m: dict) -> dict:
@@ -142,29 +153,9 @@ def plot(payload: dict):
     return fig
 
 
-def _point(r: dict) -> Point:
-    """Enough of a Point to rebuild a row from the JSON."""
-    mesh = {**SPLITS[r["split"]], "context": r["cp"]}
-    dims = MODELS[r["model"]]
-    return Point(
-        "megablox",
-        mesh,
-        r["seq"],
-        exchange=r["exchange"],
-        dtype="bfloat16",
-        param_dtype="bfloat16",
-        model=r["model"],
-        **dims,
-    )
-
-
 def summarise(rows: list[dict]) -> None:
     print(table(rows, SCALE_COLUMNS))
-    errors = [
-        abs(float(r[k].rstrip("%")) / 100)
-        for r in rows
-        for k in ("arguments_error", "outputs_error", "temp_error", "total_error")
-    ]
+    errors = prediction_errors(rows)
     within = sum(e <= 0.15 for e in errors)
     print(f"\n{within} of {len(errors)} predictions within 15%; worst {max(errors):.1%}")
 
@@ -185,7 +176,7 @@ def main() -> None:
             payload["rows"] = [
                 row(r["model"], r["split"], p, {**r["raw"], **predicted(p)})
                 for r in payload["rows"]
-                for p in [_point(r)]
+                for p in [scale_point(r["model"], r["split"], r["seq"], r["cp"], r["exchange"])]
             ]
             summarise(payload["rows"])
         save("scale", payload, plot(payload))
