@@ -25,11 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import layers
 from layers.params import create_sharded, param
-from layers.sharding import gather
-
-
-def _entry(axes):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+from layers.sharding import gather, spec_entry
 
 
 def causal_attention(x_BSM, wq, wk, wv, wo, *, layout, heads: int, dtype):
@@ -57,7 +53,7 @@ def causal_attention(x_BSM, wq, wk, wv, wo, *, layout, heads: int, dtype):
 
 class Attention(nnx.Module):
     def __init__(self, emb: int, heads: int, layout, dtype, param_dtype, rngs: nnx.Rngs):
-        spec_in, spec_out = P(_entry(layout.embed), None), P(None, _entry(layout.embed))
+        spec_in, spec_out = P(spec_entry(layout.embed), None), P(None, spec_entry(layout.embed))
         shardings = [layout.named(s) for s in (spec_in, spec_in, spec_in, spec_out)]
         shapes = [(emb, emb)] * 4
         values = create_sharded([rngs.params() for _ in shapes], shapes, param_dtype, shardings)
@@ -118,7 +114,10 @@ class MoELanguageModel(nnx.Module):
         lay = self.blocks[0].moe.layout
         pdt = self.blocks[0].moe.param_dtype
         emb = cfg.base_emb_dim
-        shardings = [lay.named(P(None, _entry(lay.embed))), lay.named(P(_entry(lay.embed), None))]
+        shardings = [
+            lay.named(P(None, spec_entry(lay.embed))),
+            lay.named(P(spec_entry(lay.embed), None)),
+        ]
         embed, head = create_sharded(
             [rngs.params(), rngs.params()], [(vocab, emb), (emb, vocab)], pdt, shardings
         )

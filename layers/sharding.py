@@ -34,7 +34,8 @@ def mesh_for_plan(plan, devices=None) -> Mesh:
     return make_mesh(dict(plan.mesh.sizes), devices)
 
 
-def _entry(axes: tuple[str, ...]):
+def spec_entry(axes: tuple[str, ...]):
+    """One PartitionSpec entry for a dim split over `axes`: None, one name, or a tuple."""
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -86,7 +87,7 @@ class Layout:
     # Activations.
     @property
     def x_BSM(self) -> P:
-        return P(_entry(self.batch), _entry(self.sequence), None)
+        return P(spec_entry(self.batch), spec_entry(self.sequence), None)
 
     @property
     def replicated(self) -> P:
@@ -95,20 +96,20 @@ class Layout:
     # Weights at rest (MaxText: gate (embed, None); wi (exp, embed, mlp); wo (exp, mlp, embed)).
     @property
     def gate_ME(self) -> P:
-        return P(_entry(self.embed), None)
+        return P(spec_entry(self.embed), None)
 
     @property
     def w_EMH(self) -> P:
-        return P(_entry(self.experts), _entry(self.embed), _entry(self.hidden))
+        return P(spec_entry(self.experts), spec_entry(self.embed), spec_entry(self.hidden))
 
     @property
     def w_EHM(self) -> P:
-        return P(_entry(self.experts), _entry(self.hidden), _entry(self.embed))
+        return P(spec_entry(self.experts), spec_entry(self.hidden), spec_entry(self.embed))
 
     def weight_specs(self) -> dict[str, P]:
         """At-rest spec per ExpertWeights field: shared experts rest like one expert
         (embed and hidden split), the router's bias replicated (E floats)."""
-        embed, hidden = _entry(self.embed), _entry(self.hidden)
+        embed, hidden = spec_entry(self.embed), spec_entry(self.hidden)
         return {
             "gate_ME": self.gate_ME,
             "wi_0_EMH": self.w_EMH,
