@@ -16,7 +16,8 @@ def fmt(x: float) -> str:
     return f"{round(x):,}" if is_whole(x) else f"{x:,.6g}"
 
 
-def _shown(mesh: MeshView, axes) -> str:
+def shown_axes(mesh: MeshView, axes) -> str:
+    """`a=2 x b=4` for the axes of size > 1 (how findings name a set of axes)."""
     return " x ".join(f"{a}={mesh.size(a)}" for a in axes if mesh.size(a) > 1)
 
 
@@ -55,7 +56,7 @@ def batch_divides_shards(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fi
             "BATCH_NOT_DIVISIBLE",
             "per_device_batch_size",
             f"The global batch of {gb} sequences does not divide over the {shards} batch "
-            f"shards ({_shown(mesh, mesh.batch_axes) or '1'}): {dev.local_batch:g} sequences "
+            f"shards ({shown_axes(mesh, mesh.batch_axes) or '1'}): {dev.local_batch:g} sequences "
             "each, so XLA would pad or replicate without a word.",
             [
                 fix(
@@ -101,8 +102,8 @@ def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[F
         return []
     if not is_whole(dev.local_batch):
         return []  # reported by batch_divides_shards
-    cp_axes = _shown(mesh, mesh.sequence_axes)
-    others = _shown(mesh, [a for a in _sharing_axes(mesh) if a not in mesh.sequence_axes])
+    cp_axes = shown_axes(mesh, mesh.sequence_axes)
+    others = shown_axes(mesh, [a for a in _sharing_axes(mesh) if a not in mesh.sequence_axes])
     why = []
     if cp_axes:
         why.append(f"context parallelism cp={dev.cp} ({cp_axes}) splits each sequence")
@@ -204,7 +205,7 @@ def weights_divide_axes(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
                 code,
                 f"axis_rules.{role}",
                 f"{dim}={size} is not divisible by the {shards} shards "
-                f"({_shown(mesh, axes)}) the weights rest on.",
+                f"({shown_axes(mesh, axes)}) the weights rest on.",
                 fixes,
             )
         )
@@ -225,7 +226,7 @@ def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Findi
         warning(
             "TOKENS_REPLICATED",
             "axis_rules.batch",
-            f"{_shown(mesh, axes)} splits neither the tokens (batch, sequence) nor the expert "
+            f"{shown_axes(mesh, axes)} splits neither the tokens (batch, sequence) nor the expert "
             f"hidden dim, so {dev.replication} devices hold the same "
             f"{fmt(dev.tokens_per_device)} tokens and repeat all of the block's work.",
             fixes,

@@ -9,7 +9,8 @@ from ..cost import Estimate
 from ..derive import PerDevice, capacity
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
-from .layout import fmt
+from ..placement import expert_group
+from .layout import fmt, shown_axes
 
 DROPLESS = (Dispatch.megablox, Dispatch.dense, Dispatch.mlp)
 DROP_WARNING_FRACTION = 0.01  # warn when uniform routing alone would drop more than this
@@ -217,8 +218,6 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
         ]
     if placed is not None:
         return []
-    from ..placement import expert_group
-
     group, _ = expert_group(mesh, fold_sequence=cfg.expert_group is not ExpertGroup.expert)
     size = mesh.product(group)
     if size <= 1:
@@ -231,7 +230,7 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
                 [gather],
             )
         ]
-    shown = " x ".join(f"{a}={mesh.size(a)}" for a in group)
+    shown = shown_axes(mesh, group)
     return [
         error(
             "EXPERTS_NOT_DIVISIBLE_BY_GROUP",
