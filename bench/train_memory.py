@@ -54,7 +54,7 @@ def compiled_step_bytes(cp: int, per_device_batch_size: float) -> dict:
     tokens = jax.ShapeDtypeStruct((trainer.batch, SEQ), "int32", sharding=trainer.token_sharding)
     lowered = trainer.step_fn.lower(trainer.params, trainer.opt_state, trainer.rest, tokens, tokens)
     m = lowered.compile().memory_analysis()
-    plan = selector.resolve(config, mesh)
+    plan = trainer.model.blocks[0].moe.plan  # the plan setup resolved on this mesh
     return {
         "cp": cp,
         "global_batch": trainer.batch,
