@@ -269,9 +269,9 @@ PALLAS_TILE = 128  # the Pallas megablox kernel's default (rows, contraction, ou
 
 def _pallas_gmm(x_RK, w_EKN, group_sizes_E):
     """The Pallas megablox kernel (TPU; interpret mode elsewhere). It needs the rows to
-    be a whole number of row tiles, so, as MaxText does, the rows are padded with zeros
-    to the next multiple of the tile (the padding lies past every group) and the
-    result's padding is dropped. Contraction and output dims use a full tile when they
+    be a whole number of row tiles, so, as MaxText 0.2.5's source does (read there),
+    the rows are padded with zeros to the next multiple of the tile (the padding lies
+    past every group) and the result's padding is dropped. Contraction and output dims use a full tile when they
     divide by it, else the whole dim."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm as pallas_gmm
 
