@@ -12,7 +12,8 @@ need no fit: they are checked as they are.
     python -m bench.calibrate --write   # fit, and write selector/memory_calibration.json
 
 Writes bench/results/calibrate.json and .png (predicted against compiled temp); with
---write also the coefficients the selector loads. --refit fits again from the JSON.
+--write also the coefficients the selector loads. --refit fits again from the JSON;
+--only TEXT compiles again just the points whose label holds TEXT.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ use_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from bench.common import load, pyplot, save, table  # noqa: E402
+from bench.common import ONLY_HELP, kept_row, load, pyplot, save, table  # noqa: E402
 from bench.points import Point, measure  # noqa: E402
 from selector.cost import CALIBRATION_FILE, PARTS  # noqa: E402
 
@@ -209,6 +210,7 @@ def main() -> None:
     parser.add_argument(
         "--write", action="store_true", help="write the fit to selector/memory_calibration.json"
     )
+    parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
     args = parser.parse_args()
     if args.replot:
         payload = load("calibrate")
@@ -217,11 +219,15 @@ def main() -> None:
     if args.refit:
         report(load("calibrate")["rows"], load("calibrate")["holdout_rows"], args.write)
         return
+    stored = load("calibrate") if args.only else {"rows": None, "holdout_rows": None}
     rows, held = [], []
-    for name, points, sink in (("fit", fit_points(), rows), ("held out", holdout_points(), held)):
+    for name, points, sink, kept in (
+        ("fit", fit_points(), rows, stored["rows"]),
+        ("held out", holdout_points(), held, stored["holdout_rows"]),
+    ):
         print(f"{name}: {len(points)} points", flush=True)
         for i, point in enumerate(points):
-            sink.append(measure(point))
+            sink.append(kept_row(kept, i, point.label(), args.only) or measure(point))
             print(
                 f"  [{i + 1}/{len(points)}] {point.label()}: {sink[-1]['temp'] / 2**20:.1f} MiB",
                 flush=True,

@@ -210,6 +210,23 @@ def load(study: str) -> dict:
     return json.loads((RESULTS / f"{study}.json").read_text())
 
 
+ONLY_HELP = (
+    "compile again only the points whose label contains TEXT (e.g. all_to_all); "
+    "the other rows are taken from the JSON"
+)
+
+
+def kept_row(stored: list[dict] | None, i: int, label: str, only: str | None):
+    """Under `--only TEXT`, the stored row of point i when its label lacks TEXT (None:
+    compile the point). The study's point list must be the one that wrote the JSON."""
+    if stored is None or only is None or only in label:
+        return None
+    row = stored[i]
+    if row.get("point", row.get("raw", {}).get("point")) != label:
+        raise SystemExit(f"the JSON's point {i} is not {label!r}: run without --only")
+    return row
+
+
 def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | None:
     """A study's command line: `--replot` redraws the PNG from the JSON and returns None.
 

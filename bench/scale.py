@@ -15,6 +15,7 @@ the selector prices that (see selector/cost.py).
 
     python -m bench.scale            # writes bench/results/scale.json and .png
     python -m bench.scale --quick    # 8192 tokens only
+    python -m bench.scale --only all_to_all   # compile the exchanged points again
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from bench.common import use_cpu_devices
 use_cpu_devices(64)
 
 from bench.common import (  # noqa: E402
+    ONLY_HELP,
     SCALE_COLUMNS,
+    kept_row,
     load,
     log_x_axis,
     prediction_errors,
@@ -169,6 +172,7 @@ def main() -> None:
         action="store_true",
         help="recompute the selector's predictions from the JSON (after a new calibration)",
     )
+    parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
     args = parser.parse_args()
     if args.replot or args.repredict:
         payload = load("scale")
@@ -185,8 +189,10 @@ def main() -> None:
     seqs = (8192,) if args.quick else (8192, 32768)
     rows = []
     todo = points(seqs)
+    stored = load("scale")["rows"] if args.only else None
     for i, (model, split, point) in enumerate(todo):
-        rows.append(row(model, split, point, measure(point)))
+        kept = kept_row(stored, i, point.label(), args.only)
+        rows.append(kept or row(model, split, point, measure(point)))
         r = rows[-1]
         print(
             f"[{i + 1}/{len(todo)}] {point.label()}: args {r['arguments_mib']:.0f} MiB "

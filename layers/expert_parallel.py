@@ -6,8 +6,11 @@ device has routed its own tokens and sorted their rows by expert, so the rows fo
 owner are one contiguous run. The exchange is dropless with static, bounded buffers:
 
 - each round, a device sends at most B rows to every owner (one `all_to_all` of a
-  (G, B, M) buffer over the group), the owner runs the grouped matmul on what it
-  received with its own experts, and the results come back by a second `all_to_all`;
+  (G, B, M) buffer over the group), the owner runs its experts on what it received
+  one slot (one sender's B rows) at a time, and the results come back by a second
+  `all_to_all`. A slot arrives sorted by local expert with its empty rows last, so the
+  grouped matmul reads it in place (no sort copy), and the hidden-sized buffers hold B
+  rows, not G x B;
 - the number of rounds is ceil(max rows any device sends any owner / B), agreed by
   one scalar `pmax`; under balanced routing B (buffer_factor x the even share, rounded
   to 8 rows) holds everything in one round, and skewed routing (every token to one
@@ -17,8 +20,8 @@ owner are one contiguous run. The exchange is dropless with static, bounded buff
 The rounds are a while loop, which reverse-mode autodiff cannot cross, so the exchange
 has a custom VJP: the backward pass runs the same rounds, sending each row's input and
 output cotangent to its owner, which recomputes its part of the forward, returns the
-input cotangent and accumulates its weight gradient locally. Expert weights and their
-gradients never leave their owner.
+input cotangent and accumulates its weight gradient locally, slot by slot. Expert
+weights and their gradients never leave their owner.
 
 Backends: `all_to_all` (runs everywhere, XLA:CPU included) packs each owner's rows
 into its slot of the (G, B, M) buffer; `ragged_all_to_all` (GPU/TPU; XLA:CPU cannot run
@@ -40,7 +43,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from .ffn import swiglu
-from .grouped_matmul import _reduce_like, _varying_like, gmm, gmm_multi
+from .grouped_matmul import (
+    _gmm_tiled,
+    _gmm_tiled_transposed_sum,
+    _reduce_like,
+    _tgmm_tiled,
+    _varying_like,
+    gmm,
+    gmm_multi,
+)
 
 ROW_ALIGN = 8  # rows per owner per round are a multiple of this
 
@@ -63,16 +74,40 @@ class Exchange:
         return max(ROW_ALIGN, ROW_ALIGN * math.ceil(share / ROW_ALIGN))
 
 
-def _local_swiglu(x_NM, ids_N, w, local_experts: int, gmm_backend: str):
-    """Rows x_NM with local expert ids_N (== local_experts marks an empty slot) through
-    their experts' SwiGLU: sort by expert, grouped matmul, unsort. Empty slots give 0."""
+def _slot_swiglu(x_BM, ids_B, w, local_experts: int, gmm_backend: str):
+    """One slot's rows through their experts' SwiGLU. A slot arrives sorted by local
+    expert with its empty rows (id == local_experts) last, so the grouped matmul reads it
+    in place: no sort, no unsort, and the empty rows come out 0."""
     wi_0, wi_1, wo = w
-    order = jnp.argsort(ids_N, stable=True)
-    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_N].add(1)[:local_experts]
-    xs = jnp.take(x_NM, order, axis=0)
-    gate, up = gmm_multi(xs, (wi_0, wi_1), sizes_L, gmm_backend)
-    ys = gmm(swiglu(gate, up), wo, sizes_L, gmm_backend)
-    return jnp.take(ys, jnp.argsort(order), axis=0)
+    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
+    gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend)
+    return gmm(swiglu(gate, up), wo, sizes_L, gmm_backend)
+
+
+def _slot_swiglu_pullback(x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_backend: str):
+    """(dx_BM, dw + this slot's weight gradient): the pullback of `_slot_swiglu`, with
+    the weight gradient added to the float32 accumulators `dw`. For `tiled_gmm` it is
+    written out so the weight-gradient kernel adds into `dw` in place (no per-slot
+    gradient buffer and no float32 copy of it); other backends go through jax.vjp."""
+    if gmm_backend != "tiled_gmm":
+
+        def local(x, w_):
+            return _slot_swiglu(x, ids_B, w_, local_experts, gmm_backend)
+
+        _, pullback = jax.vjp(local, x_BM, w)
+        dx_BM, dw_slot = pullback(dy_BM)
+        return dx_BM, tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_slot, strict=True))
+    wi_0, wi_1, wo = w
+    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
+    gate, up = _gmm_tiled(x_BM, (wi_0, wi_1), sizes_L)
+    act, act_pullback = jax.vjp(swiglu, gate, up)
+    d_act = _gmm_tiled_transposed_sum((dy_BM,), (wo,), sizes_L)
+    dwo = _tgmm_tiled(act, dy_BM, sizes_L, into_EKN=dw[2])
+    d_gate, d_up = act_pullback(d_act)
+    dx_BM = _gmm_tiled_transposed_sum((d_gate, d_up), (wi_0, wi_1), sizes_L)
+    dwi_0 = _tgmm_tiled(x_BM, d_gate, sizes_L, into_EKN=dw[0])
+    dwi_1 = _tgmm_tiled(x_BM, d_up, sizes_L, into_EKN=dw[1])
+    return dx_BM, (dwi_0, dwi_1, dwo)
 
 
 def _routing(group_sizes_E, ex: Exchange, local_experts: int):
@@ -129,23 +164,24 @@ class _Packed:
         self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
 
     def to_owners(self, rows_RX, ids_R, r, local_experts):
-        """(rows received (G*B, X), their local expert ids (G*B,), state for the trip back)."""
+        """(rows received (G, B, X): slot g from member g, sorted by local expert; their
+        local expert ids (G, B), local_experts on empty rows; state for the trip back)."""
         packed, valid, index = _send(rows_RX, self.starts, self.counts, r, self.b)
         ids, _, _ = _send(ids_R[:, None], self.starts, self.counts, r, self.b)
         ids = jnp.where(valid, ids[..., 0] % local_experts, local_experts)
         got, got_ids = _exchange(packed, self.ex), _exchange(ids, self.ex)
-        return got.reshape(-1, got.shape[-1]), got_ids.reshape(-1), (valid, index)
+        return got, got_ids, (valid, index)
 
-    def back(self, out_RX, results_NX, r, state):
+    def back(self, out_RX, results_GBX, r, state):
         valid, index = state
-        back = _exchange(results_NX.reshape(self.ex.group_size, self.b, -1), self.ex)
-        return _receive_back(out_RX, back, valid, index)
+        return _receive_back(out_RX, _exchange(results_GBX, self.ex), valid, index)
 
 
 class _Ragged:
     """ragged_all_to_all transport (GPU/TPU): each owner gets exactly its rows, written
     into this device's slot of its (G*B, X) buffer; results return straight into the
-    sorted array. Needs the sources' counts and starts, exchanged once."""
+    sorted array. Needs the sources' counts and starts, exchanged once. Slot g of the
+    receive buffer holds member g's rows first, sorted by local expert, then zeros."""
 
     def __init__(self, starts_G, counts_G, ex: Exchange, buffer_rows: int):
         self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
@@ -173,10 +209,13 @@ class _Ragged:
         got = self._send(rows_RX, out, r, to_owners=True)
         empty = _varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
         got_ids = self._send(ids_R[:, None].astype(jnp.int32), empty, r, to_owners=True)[:, 0]
-        return got, jnp.where(got_ids < 0, local_experts, got_ids % local_experts), None
+        got_ids = jnp.where(got_ids < 0, local_experts, got_ids % local_experts)
+        slots = (self.ex.group_size, self.b)
+        return got.reshape(*slots, -1), got_ids.reshape(slots), None
 
-    def back(self, out_RX, results_NX, r, state):
-        return self._send(results_NX.astype(out_RX.dtype), out_RX, r, to_owners=False)
+    def back(self, out_RX, results_GBX, r, state):
+        results_NX = results_GBX.reshape(-1, results_GBX.shape[-1]).astype(out_RX.dtype)
+        return self._send(results_NX, out_RX, r, to_owners=False)
 
 
 TRANSPORTS = {"all_to_all": _Packed, "ragged_all_to_all": _Ragged}
@@ -194,10 +233,13 @@ def _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: in
     emb = w[2].shape[2]
     y0 = _varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
 
+    def slot(x_ids):
+        return _slot_swiglu(*x_ids, w, local_experts, ex.gmm_backend)
+
     def one_round(r, y_RM):
-        x_NM, ids_N, state = move.to_owners(x_RM, ids_R, r, local_experts)
-        y_NM = _local_swiglu(x_NM, ids_N, w, local_experts, ex.gmm_backend)
-        return move.back(y_RM, y_NM, r, state)
+        x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
+        # One slot at a time, so the hidden-sized buffers are B rows, not G x B.
+        return move.back(y_RM, lax.map(slot, (x_GBM, ids_GB)), r, state)
 
     return lax.fori_loop(0, rounds, one_round, y0)
 
@@ -222,32 +264,35 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
     x_RM, ids_R, group_sizes_E, w = res
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
-    # Each round's dx comes back already summed over the axes x is replicated on (the
-    # pullback of an x used with tensor-split weights sums over tensor), so the
-    # accumulator varies exactly as x does.
-    dx0 = jnp.zeros_like(x_RM)
-    # jax.vjp hands back each round's weight cotangent already summed over the axes the
-    # weights are replicated on, so the accumulator varies exactly as the weights do.
-    dw0 = tuple(_varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w)
-    dy_RM = dy_RM.astype(x_RM.dtype)
+    # Rows and weights are made to vary over each other's mesh axes before the slots'
+    # pullbacks, so no slot sums anything over the mesh: dx (summed over the axes only
+    # the weights split, tensor) and dw (summed over the axes only the rows split) are
+    # summed once, at the end, instead of once per slot.
+    w_v = tuple(_varying_like(a, x_RM) for a in w)
+    dx0 = _varying_like(jnp.zeros_like(x_RM), *w)
+    dw0 = tuple(_varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w_v)
+    dy_RM = _varying_like(dy_RM.astype(x_RM.dtype), *w)
 
     def one_round(r, carry):
         dx_RM, dw = carry
         # Rows and their cotangents travel as two exchanges of the same slots (a
         # concatenation would hold another copy of both).
-        x_N, ids_N, state = move.to_owners(x_RM, ids_R, r, local_experts)
-        dy_N, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
+        x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
+        dy_GBM, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
+        x_GBM = _varying_like(x_GBM, *w)
 
-        def local(x, w_):
-            return _local_swiglu(x, ids_N, w_, local_experts, ex.gmm_backend)
+        def one_slot(g, slot_carry):
+            dx_GBM, dw = slot_carry
+            dx_BM, dw = _slot_swiglu_pullback(
+                x_GBM[g], ids_GB[g], dy_GBM[g], w_v, dw, local_experts, ex.gmm_backend
+            )
+            return lax.dynamic_update_index_in_dim(dx_GBM, dx_BM, g, 0), dw
 
-        _, pullback = jax.vjp(local, x_N, w)
-        dx_N, dw_round = pullback(dy_N)
-        dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_round, strict=True))
-        return move.back(dx_RM, dx_N, r, state), dw
+        dx_GBM, dw = lax.fori_loop(0, ex.group_size, one_slot, (jnp.zeros_like(x_GBM), dw))
+        return move.back(dx_RM, dx_GBM, r, state), dw
 
     dx_RM, dw = lax.fori_loop(0, rounds, one_round, (dx0, dw0))
-    dw = tuple(g.astype(a.dtype) for g, a in zip(dw, w, strict=True))
+    dw = tuple(_reduce_like(g.astype(a.dtype), a) for g, a in zip(dw, w, strict=True))
     return _reduce_like(dx_RM, x_RM), None, None, dw
 
 

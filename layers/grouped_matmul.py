@@ -175,12 +175,20 @@ def _xt_dy(x_TK, dy_TN):
     )
 
 
-def _tgmm_tiled(x_RK, dy_RN, group_sizes_E):
-    """dw_EKN[e] = x[rows of e]^T @ dy[rows of e], accumulated per expert in a local carry."""
+def _tgmm_tiled(x_RK, dy_RN, group_sizes_E, into_EKN=None):
+    """dw_EKN[e] = x[rows of e]^T @ dy[rows of e], accumulated per expert in a local carry.
+
+    With `into_EKN` (a float32 accumulator) the result is added to it in place instead:
+    a caller summing many calls holds one float32 buffer, not one more per call."""
     rows, k = x_RK.shape
     n = dy_RN.shape[1]
     num_experts = group_sizes_E.shape[0]
-    dw_EKN = _varying_like(jnp.zeros((num_experts, k, n), x_RK.dtype), x_RK, dy_RN, group_sizes_E)
+    if into_EKN is None:
+        into_EKN = jnp.zeros((num_experts, k, n), x_RK.dtype)
+        add = False
+    else:
+        add = True
+    dw_EKN = _varying_like(into_EKN, x_RK, dy_RN, group_sizes_E)
     if rows == 0:
         return dw_EKN
     full, (tail, tail_E, tail_first_E), ends_E = _tile_plan(group_sizes_E, tile_classes(rows))
@@ -214,6 +222,8 @@ def _tgmm_tiled(x_RK, dy_RN, group_sizes_E):
             return acc + _xt_dy(x_TK, lax.dynamic_slice_in_dim(dy_RN, start, tail))
 
         acc_KN = lax.cond(tail_E[e] > 0, tail_tile, lambda acc: acc, acc_KN)
+        if add:
+            acc_KN = acc_KN + lax.dynamic_index_in_dim(dw, e, 0, keepdims=False)
         return lax.dynamic_update_index_in_dim(dw, acc_KN.astype(dw.dtype), e, 0)
 
     return lax.fori_loop(0, num_experts, expert_body, dw_EKN)

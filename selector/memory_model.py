@@ -14,17 +14,19 @@ from .problem import Shape, buffer_rows, compute_weight_elements, rows
 # dispatch and exchange, and `@cpu_half` for half precision on XLA:CPU, which converts
 # part of a bfloat16 program to float32; an accelerator keeps every buffer in the
 # compute dtype, as a float32 program does, so it uses the float32 family at the
-# dtype's own bytes). Parts, in bytes (see `memory_parts`): `tokens` (T x M: block input,
-# output and their gradients), `rows_m` and `rows_h` (routed rows x M and x H: expert
-# inputs, outputs, gate, up, activation and their gradients), `router` (T x E logits and
-# probabilities, float32), `choices` (T x k x E one-hots of the top-k, or T x k sort
-# indices), `masks` (the capacity path's T x E x C dispatch and combine), `masks_k` (its
-# k one-hot slot maps, T x k x E x C, kept for the backward pass), `weights` (the
-# compute-form copy of the weights a device computes with), `gathered` (the same
-# bytes again when they are gathered) and `reduced` (the weight gradients' bytes again
-# when devices holding the same shard all-reduce them). Fitted by `python -m bench.calibrate --write` on
-# XLA:CPU programs (8 simulated devices), which writes memory_calibration.json beside
-# this module; mlp borrows dense's.
+# dtype's own bytes). Parts, in bytes (see `memory_parts`): `tokens` (T x M: block
+# input, output and their gradients), `rows_m` and `rows_h` (routed rows x M and x H:
+# expert inputs, outputs, gate, up, activation and their gradients; the exchange's
+# owner runs its experts one slot of B rows at a time, so its x H buffers are B rows),
+# `router` (T x E logits and probabilities, float32), `choices` (T x k x E one-hots of
+# the top-k, or T x k sort indices), `masks` (the capacity path's T x E x C dispatch
+# and combine), `masks_k` (its k one-hot slot maps, T x k x E x C, kept for the
+# backward pass), `weights` (the compute-form copy of the weights a device computes
+# with), `gathered` (the same bytes again when they are gathered) and `reduced` (the
+# weight gradients' bytes again when devices holding the same shard all-reduce them).
+# Fitted by `python -m bench.calibrate --write` on XLA:CPU programs (8 simulated
+# devices), which writes memory_calibration.json beside this module; mlp borrows
+# dense's.
 PARTS = (
     "tokens",
     "rows_m",
@@ -58,8 +60,10 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
     n = rows(strategy, p)
     if strategy is Dispatch.megablox:
         n = p.T * p.k  # the grouped matmul reads rows in place: no padded copy
+    hidden_rows = n
     if exchange is Exchange.all_to_all:
         n = p.group * buffer_rows(p)  # an owner's rows arrive in G slots of B
+        hidden_rows = buffer_rows(p)  # and go through the experts one slot at a time
     routed = strategy is not Dispatch.mlp
     capacity_path = strategy is Dispatch.subgroup_capacity
     if strategy in (Dispatch.dense, Dispatch.subgroup_capacity):
@@ -70,7 +74,7 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
     return {
         "tokens": p.T * p.M * p.xb,
         "rows_m": n * p.M * p.xb,
-        "rows_h": (n * p.H + p.T * p.Hs) * p.xb,  # routed rows and every token's shared
+        "rows_h": (hidden_rows * p.H + p.T * p.Hs) * p.xb,  # routed rows, every token's shared
         "router": p.T * p.E * ROUTER_BYTES if routed else 0.0,
         "choices": choices,
         "masks": p.T * p.E * p.C * p.xb if capacity_path else 0.0,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from layer_helpers import assert_close
 
-from layers.grouped_matmul import gmm, gmm_multi, tile_classes
+from layers.grouped_matmul import _tgmm_tiled, gmm, gmm_multi, tile_classes
 
 CASES = {
     "uniform": [250, 250, 250, 250],
@@ -55,6 +55,23 @@ def test_forward_and_gradients_match_reference(case):
     assert_close(dw, rdw, what="dw")
     empty = [e for e, n in enumerate(sizes) if n == 0]
     assert np.all(np.asarray(dw)[empty] == 0)
+
+
+@pytest.mark.parametrize("case", ["uniform", "empty_experts", "every_tile_class"])
+def test_weight_gradient_adds_into_a_float32_accumulator(case):
+    """The exchange's backward sums each slot's weight gradient into one float32 buffer
+    through `into_EKN`: the result is that buffer plus x^T dy per expert, experts with
+    no rows keep what they held."""
+    sizes = CASES[case]
+    rows = sum(sizes)
+    x = jax.random.normal(jax.random.key(0), (rows, 24))
+    dy = jax.random.normal(jax.random.key(2), (rows, 40))
+    held = jax.random.normal(jax.random.key(3), (len(sizes), 24, 40))
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(_tgmm_tiled)(x, dy, gs, held)
+    _, rdw = reference_grads(x, np.zeros((len(sizes), 24, 40)), sizes, dy)
+    assert got.dtype == jnp.float32
+    assert_close(got, np.asarray(held, np.float64) + rdw, what="dw accumulated")
 
 
 def test_rows_past_the_groups_are_zero_and_get_no_gradient():
