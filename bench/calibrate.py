@@ -13,7 +13,8 @@ need no fit: they are checked as they are.
 
 Writes bench/results/calibrate.json and .png (predicted against compiled temp); with
 --write also the coefficients the selector loads. --refit fits again from the JSON;
---only TEXT compiles again just the points whose label holds TEXT.
+--only TEXT compiles again just the points whose label holds TEXT (and any the
+JSON lacks).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ use_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from bench.common import ONLY_HELP, kept_row, load, pyplot, save, table  # noqa: E402
-from bench.points import Point, measure  # noqa: E402
+from bench.common import ONLY_HELP, StoredRows, load, pyplot, save, table  # noqa: E402
+from bench.points import Point, measure, predicted  # noqa: E402
 from selector.cost import CALIBRATION_FILE, PARTS  # noqa: E402
 
 MESHES = {
@@ -52,6 +53,12 @@ FIT_SHAPES = (
     # Weight-dominated, as the real models are (few tokens against many expert weights).
     dict(seq=1024, emb=256, hidden=512, experts=64, top_k=2),
     dict(seq=512, emb=512, hidden=256, experts=32, top_k=4),
+    # One top-1 shape where the weights outweigh the rows, with 1-2 experts a device
+    # when exchanged; one at the real models' top-k (8-10) and a wide embedding; one
+    # with as many experts as they have (256-512), where the router's T x E buffers count.
+    dict(seq=1024, emb=384, hidden=768, experts=8, top_k=1),
+    dict(seq=2048, emb=1024, hidden=256, experts=64, top_k=10),
+    dict(seq=2048, emb=128, hidden=128, experts=256, top_k=8),
 )
 DTYPES = (("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"))
 FIT_MESHES = MESHES
@@ -205,7 +212,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
-        "--refit", action="store_true", help="fit again from the measured rows in the JSON"
+        "--refit",
+        action="store_true",
+        help="fit again from the measured rows in the JSON (the selector's side recomputed)",
     )
     parser.add_argument(
         "--write", action="store_true", help="write the fit to selector/memory_calibration.json"
@@ -217,22 +226,35 @@ def main() -> None:
         save("calibrate", payload, plot(payload))
         return
     if args.refit:
-        report(load("calibrate")["rows"], load("calibrate")["holdout_rows"], args.write)
+        stored = load("calibrate")
+        report(
+            repredicted(fit_points(), stored["rows"]),
+            repredicted(holdout_points(), stored["holdout_rows"]),
+            args.write,
+        )
         return
-    stored = load("calibrate") if args.only else {"rows": None, "holdout_rows": None}
+    stored = load("calibrate") if args.only else {}
     rows, held = [], []
     for name, points, sink, kept in (
-        ("fit", fit_points(), rows, stored["rows"]),
-        ("held out", holdout_points(), held, stored["holdout_rows"]),
+        ("fit", fit_points(), rows, StoredRows(stored.get("rows"), args.only)),
+        ("held out", holdout_points(), held, StoredRows(stored.get("holdout_rows"), args.only)),
     ):
         print(f"{name}: {len(points)} points", flush=True)
         for i, point in enumerate(points):
-            sink.append(kept_row(kept, i, point.label(), args.only) or measure(point))
+            sink.append(kept.take(point.label()) or measure(point))
             print(
                 f"  [{i + 1}/{len(points)}] {point.label()}: {sink[-1]['temp'] / 2**20:.1f} MiB",
                 flush=True,
             )
     report(rows, held, args.write)
+
+
+def repredicted(points: list[Point], rows: list[dict]) -> list[dict]:
+    """The stored rows of `points` with the selector's side (hand counts, arguments,
+    outputs) computed again from each point's config: XLA's numbers are kept, so a new
+    part or hand count needs no recompile."""
+    stored = StoredRows(rows, only=None)
+    return [{**stored.pop(p.label()), **predicted(p)} for p in points]
 
 
 def report(rows: list[dict], held: list[dict], write: bool = False) -> None:
@@ -259,6 +281,9 @@ def report(rows: list[dict], held: list[dict], write: bool = False) -> None:
         "arguments_outputs_worst_error": worst_io,
         "rows": rows,
         "holdout_rows": held,
+        "parts": list(PARTS),
+        "fit_shapes": list(FIT_SHAPES),
+        "holdout_shapes": list(HOLDOUT_SHAPES),
     }
     print("\nwrote", *save("calibrate", payload, plot(payload)))
 

@@ -211,20 +211,34 @@ def load(study: str) -> dict:
 
 
 ONLY_HELP = (
-    "compile again only the points whose label contains TEXT (e.g. all_to_all); "
-    "the other rows are taken from the JSON"
+    "compile again only the points whose label contains TEXT (e.g. all_to_all) and the "
+    "points the JSON lacks; the other rows are taken from the JSON"
 )
 
 
-def kept_row(stored: list[dict] | None, i: int, label: str, only: str | None):
-    """Under `--only TEXT`, the stored row of point i when its label lacks TEXT (None:
-    compile the point). The study's point list must be the one that wrote the JSON."""
-    if stored is None or only is None or only in label:
-        return None
-    row = stored[i]
-    if row.get("point", row.get("raw", {}).get("point")) != label:
-        raise SystemExit(f"the JSON's point {i} is not {label!r}: run without --only")
-    return row
+class StoredRows:
+    """Under `--only TEXT`, a study's rows from its JSON, handed back by point label (in
+    order, for points that share a label) unless the label contains TEXT."""
+
+    def __init__(self, rows: list[dict] | None, only: str | None):
+        self.only = only
+        self.by_label: dict[str, list[dict]] = {}
+        for row in rows or ():
+            label = row.get("point", row.get("raw", {}).get("point"))
+            self.by_label.setdefault(label, []).append(row)
+
+    def take(self, label: str) -> dict | None:
+        """The stored row for this point, or None: compile it."""
+        if self.only is None or self.only in label or not self.by_label.get(label):
+            return None
+        return self.pop(label)
+
+    def pop(self, label: str) -> dict:
+        """The next stored row with this label (a KeyError when there is none)."""
+        rows = self.by_label.get(label)
+        if not rows:
+            raise KeyError(f"the JSON has no row for {label!r}: compile it again")
+        return rows.pop(0)
 
 
 def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | None:

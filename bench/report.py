@@ -54,11 +54,12 @@ def memory_section(mem: dict) -> list[str]:
 def calibrate_section(cal: dict) -> list[str]:
     return [
         "### The selector's memory model (`python -m bench.calibrate --write`)\n",
-        f"Temporaries are hand counts of nine parts scaled by coefficients fitted on "
-        f"{len(cal['rows'])} compiled programs (8 simulated CPU devices; 9 shapes varying "
-        "tokens, emb, hidden, E, k and the capacity factor; 5 meshes; float32, bfloat16 and "
-        "mixed), then checked on "
-        f"{len(cal['holdout_rows'])} programs the fit never saw (3 other shapes, among them "
+        f"Temporaries are hand counts of {len(cal['parts'])} parts scaled by coefficients "
+        f"fitted on {len(cal['rows'])} compiled programs (8 simulated CPU devices; "
+        f"{len(cal['fit_shapes'])} shapes varying tokens, emb, hidden, E (to 256), k (to 10) "
+        "and the capacity factor; 6 meshes; float32, bfloat16 and mixed), then checked on "
+        f"{len(cal['holdout_rows'])} programs the fit never saw "
+        f"({len(cal['holdout_shapes'])} other shapes, among them "
         "issue 11's emb 192 / hidden 384 / E=12 / k=3 / capacity factor 1.5 point, on "
         "meshes the fit did not use). Arguments and outputs need no fit: their worst error "
         f"over every point is {cal['arguments_outputs_worst_error']:.2%}. `@cpu_half` is "

@@ -29,7 +29,7 @@ use_cpu_devices(64)
 from bench.common import (  # noqa: E402
     ONLY_HELP,
     SCALE_COLUMNS,
-    kept_row,
+    StoredRows,
     load,
     log_x_axis,
     prediction_errors,
@@ -189,10 +189,9 @@ def main() -> None:
     seqs = (8192,) if args.quick else (8192, 32768)
     rows = []
     todo = points(seqs)
-    stored = load("scale")["rows"] if args.only else None
+    stored = StoredRows(load("scale")["rows"] if args.only else None, args.only)
     for i, (model, split, point) in enumerate(todo):
-        kept = kept_row(stored, i, point.label(), args.only)
-        rows.append(kept or row(model, split, point, measure(point)))
+        rows.append(stored.take(point.label()) or row(model, split, point, measure(point)))
         r = rows[-1]
         print(
             f"[{i + 1}/{len(todo)}] {point.label()}: args {r['arguments_mib']:.0f} MiB "

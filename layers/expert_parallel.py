@@ -74,12 +74,17 @@ class Exchange:
         return max(ROW_ALIGN, ROW_ALIGN * math.ceil(share / ROW_ALIGN))
 
 
+def _slot_group_sizes(ids_B, local_experts: int):
+    """Rows of each local expert in a slot (empty rows, id == local_experts, not counted)."""
+    return jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
+
+
 def _slot_swiglu(x_BM, ids_B, w, local_experts: int, gmm_backend: str):
     """One slot's rows through their experts' SwiGLU. A slot arrives sorted by local
     expert with its empty rows (id == local_experts) last, so the grouped matmul reads it
     in place: no sort, no unsort, and the empty rows come out 0."""
     wi_0, wi_1, wo = w
-    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
+    sizes_L = _slot_group_sizes(ids_B, local_experts)
     gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend)
     return gmm(swiglu(gate, up), wo, sizes_L, gmm_backend)
 
@@ -98,7 +103,7 @@ def _slot_swiglu_pullback(x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_bac
         dx_BM, dw_slot = pullback(dy_BM)
         return dx_BM, tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_slot, strict=True))
     wi_0, wi_1, wo = w
-    sizes_L = jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
+    sizes_L = _slot_group_sizes(ids_B, local_experts)
     gate, up = _gmm_tiled(x_BM, (wi_0, wi_1), sizes_L)
     act, act_pullback = jax.vjp(swiglu, gate, up)
     d_act = _gmm_tiled_transposed_sum((dy_BM,), (wo,), sizes_L)

@@ -23,7 +23,10 @@ from .problem import Shape, buffer_rows, compute_weight_elements, rows
 # and combine), `masks_k` (its k one-hot slot maps, T x k x E x C, kept for the
 # backward pass), `weights` (the compute-form copy of the weights a device computes
 # with), `gathered` (the same bytes again when they are gathered) and `reduced` (the
-# weight gradients' bytes again when devices holding the same shard all-reduce them).
+# weight gradients' bytes again when devices holding the same shard all-reduce them),
+# and `expert` (one expert's three weights in float32: the grouped matmul's weight
+# gradient accumulates each expert in a float32 buffer of that size, which matters when
+# a device computes with one or two experts).
 # Fitted by `python -m bench.calibrate --write` on XLA:CPU programs (8 simulated
 # devices), which writes memory_calibration.json beside this module; mlp borrows
 # dense's.
@@ -38,6 +41,7 @@ PARTS = (
     "weights",
     "gathered",
     "reduced",
+    "expert",
 )
 CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
 MEMORY_CALIBRATION: dict[str, dict[str, float]] = json.loads(CALIBRATION_FILE.read_text())
@@ -82,6 +86,7 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
         "weights": weights,
         "gathered": weights if p.gathered > 1 else 0.0,
         "reduced": weights if p.replicas > 1 and p.train else 0.0,
+        "expert": 3 * p.M * p.H * 4 if strategy is Dispatch.megablox and p.train else 0.0,
     }
 
 
