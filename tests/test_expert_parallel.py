@@ -6,12 +6,13 @@ rounds, and the compiled program's collectives and argument sizes.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo import classify
+from hlo import classify, collectives
 from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads, weight_shapes
 from test_layers_parity import reference_grads
 
@@ -19,6 +20,7 @@ from layers.programs import compile_fwd_bwd
 from layers.reference import reference_choices, reference_moe
 
 BATCH, SEQ = 8, 32
+VALUE = re.compile(r"^\s*(ROOT\s+)?%[\w.\-]+\s*=\s*[a-z]+\d*\[(?P<dims>[\d,]*)\]")
 EP = ("expert_exchange=all_to_all",)
 MESHES = {
     "expert2_cp4": {"expert": 2, "context": 4},
@@ -130,6 +132,34 @@ def test_only_routed_rows_cross_devices_and_weights_stay_home(jax_cpu8, mesh_nam
     for name in ("wi_0_EMH", "wi_1_EMH", "wo_EHM"):
         full = getattr(model.weights(), name).shape
         assert getattr(w_shardings, name).shard_shape(full)[0] == full[0] // group
+
+
+def value_shapes(hlo_text: str) -> set[tuple[int, ...]]:
+    """The shape of every value the compiled program defines."""
+    return {
+        tuple(int(d) for d in m.group("dims").split(",") if d)
+        for m in map(VALUE.match, hlo_text.splitlines())
+        if m
+    }
+
+
+def test_owner_runs_its_experts_one_slot_at_a_time(jax_cpu8):
+    """The owner's hidden-sized buffers (gate, up, activation and their gradients) hold
+    one slot of B rows, never the whole (G x B)-row receive buffer: B read from the
+    compiled program's all-to-all of (G, B, M) row buffers (XLA may split it into G
+    pieces of (1, B, M))."""
+    batch, seq = 2, 2048
+    model, program = compiled_ep("data2_cp4_folded", batch, seq)
+    text = program.as_text()
+    emb, hidden = model.wi_0[...].shape[1:]
+    group = model.layout.size(model.layout.group)
+    exchanged = {s for op, shapes in collectives(text) if op == "all-to-all" for s in shapes}
+    slots = {s[1] for s in exchanged if len(s) == 3 and s[2] == emb}
+    assert len(slots) == 1, exchanged
+    (slot,) = slots
+    shapes = value_shapes(text)
+    assert (slot, hidden) in shapes, "no slot-sized hidden buffer: the expert matmuls moved"
+    assert (group * slot, hidden) not in shapes, "a hidden buffer spans the receive buffer"
 
 
 def _elements(label: str) -> int:
