@@ -183,11 +183,9 @@ def _tgmm_tiled(x_RK, dy_RN, group_sizes_E, into_EKN=None):
     rows, k = x_RK.shape
     n = dy_RN.shape[1]
     num_experts = group_sizes_E.shape[0]
-    if into_EKN is None:
+    add = into_EKN is not None
+    if not add:
         into_EKN = jnp.zeros((num_experts, k, n), x_RK.dtype)
-        add = False
-    else:
-        add = True
     dw_EKN = _varying_like(into_EKN, x_RK, dy_RN, group_sizes_E)
     if rows == 0:
         return dw_EKN
