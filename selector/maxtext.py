@@ -212,7 +212,7 @@ def from_maxtext(
     and the MaxText-specific findings. Raises MaxTextError for unusable input."""
     conf_dir = conf_dir or packaged_conf()
     over = parse_overrides(overrides)
-    raw, files = load_chain(Path(path))
+    raw, files, each = load_chain(Path(path))
     model_name = over.get("model_name", raw.get("model_name"))
     if model_name not in (None, "", "default"):
         model_file = files[0].parent / "models" / f"{model_name}.yml"
@@ -221,8 +221,10 @@ def from_maxtext(
                 f"model_name={model_name!r}: no {str(model_file)!r} beside the base config; "
                 "check the name or the models/ folder."
             )
-        raw = {**raw, **load_yaml(model_file)}
+        model = load_yaml(model_file)
+        raw = {**raw, **model}
         files.append(model_file)
+        each.append(model)
     allowed = set(raw) | set(OWN_KEYS) | set(READ_KEYS) | set(DIRECT_KEYS) | set(PARALLELISM_KEYS)
     for key in over:
         if key not in allowed:
@@ -266,10 +268,10 @@ def from_maxtext(
             values[key] = coerce(key, raw[key], kind)
     values["model_name"] = str(model_name or "maxtext")
     dropped: list[str] = []
-    values["axis_rules"] = axis_rules(merged_rules(files, over, raw), dropped)
+    values["axis_rules"] = axis_rules(merged_rules(each, over, raw), dropped)
     values["hardware"] = _hardware(raw, conf_dir, notes)
     values["capacity_rounding"] = CapacityRounding.maxtext
-    base = load_yaml(files[0])  # MaxText's own defaults (the root of the chain)
+    base = each[0]  # MaxText's own defaults (the root of the chain)
     routed, _, routing_findings = routing(raw, str(model_name or ""), base, notes)
     values.update(routed)
     cfg = Config(**values)

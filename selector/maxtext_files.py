@@ -43,17 +43,19 @@ def load_yaml(path: Path) -> dict:
     return data
 
 
-def load_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
-    """The file merged over its base_config chain; and the files, root base first."""
+def load_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path], list[dict]]:
+    """The file merged over its base_config chain; the files, root base first; and each
+    file's own keys, in the same order (each file is parsed once: MaxText's base.yml
+    takes about 55 ms to parse here)."""
     path = path.resolve()
     if path in seen:
         raise MaxTextError(f"base_config loop through {str(path)!r}; break the cycle.")
     data = load_yaml(path)
     base = data.get("base_config")
     if not base:
-        return data, [path]
-    parent, files = load_chain(path.parent / str(base), (*seen, path))
-    return {**parent, **data}, [*files, path]
+        return data, [path], [data]
+    parent, files, each = load_chain(path.parent / str(base), (*seen, path))
+    return {**parent, **data}, [*files, path], [*each, data]
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
@@ -106,10 +108,11 @@ def coerce(key: str, value: Any, kind: type) -> Any:
         ) from None
 
 
-def merged_rules(files: list[Path], over: dict, raw: dict) -> list | None:
+def merged_rules(each: list[dict], over: dict, raw: dict) -> list | None:
     """logical_axis_rules as MaxText builds them: each later file's (and an override's)
-    entries merged in front of the earlier ones, unless override_logical_axis_rules."""
-    layers = [load_yaml(f).get("logical_axis_rules") for f in files]
+    entries merged in front of the earlier ones, unless override_logical_axis_rules.
+    `each` holds every file's own keys, root base first."""
+    layers = [data.get("logical_axis_rules") for data in each]
     if "logical_axis_rules" in over:
         layers.append(over["logical_axis_rules"])
     layers = [rules for rules in layers if rules is not None]
