@@ -28,7 +28,15 @@ use_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from bench.common import ONLY_HELP, StoredRows, load, pyplot, save, table  # noqa: E402
+from bench.common import (  # noqa: E402
+    CALIBRATION_COLUMNS,
+    ONLY_HELP,
+    StoredRows,
+    load,
+    pyplot,
+    save,
+    table,
+)
 from bench.points import Point, measure, predicted  # noqa: E402
 from selector.cost import CALIBRATION_FILE, PARTS  # noqa: E402
 
@@ -169,14 +177,6 @@ def summary(errs: list[dict]) -> list[dict]:
     return rows
 
 
-SUMMARY_COLUMNS = [
-    ("key", "strategy"),
-    ("points", "points"),
-    ("median", "median |error|"),
-    ("worst", "worst |error|"),
-]
-
-
 def plot(payload: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
@@ -266,8 +266,8 @@ def report(rows: list[dict], held: list[dict], write: bool = False) -> None:
         print("wrote", CALIBRATION_FILE)
     fit_errs, hold_errs = errors(rows, calibration), errors(held, calibration)
     print("\nMEMORY_CALIBRATION =", calibration)
-    print("\nfit points\n" + table(summary(fit_errs), SUMMARY_COLUMNS))
-    print("\nheld-out points\n" + table(summary(hold_errs), SUMMARY_COLUMNS))
+    print("\nfit points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
+    print("\nheld-out points\n" + table(summary(hold_errs), CALIBRATION_COLUMNS))
     worst_io = max(
         abs(e[k]) for e in fit_errs + hold_errs for k in ("arguments_error", "outputs_error")
     )

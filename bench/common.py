@@ -144,6 +144,13 @@ TRAIN_COLUMNS = [
     ("vs_cp1", "vs cp=1"),
 ]
 
+CALIBRATION_COLUMNS = [
+    ("key", "strategy"),
+    ("points", "points"),
+    ("median", "median |error|"),
+    ("worst", "worst |error|"),
+]
+
 SPEED_COLUMNS = [
     ("strategy", "strategy"),
     ("experts", "E"),

@@ -37,7 +37,6 @@ from bench.common import (  # noqa: E402
 )
 from bench.points import Point, measure  # noqa: E402
 from layers.programs import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
-from selector.cost import temp_from_parts  # noqa: E402
 
 SHAPE = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
 CPS = (1, 2, 4, 8)
@@ -84,7 +83,7 @@ def rows_for(cp: int) -> list[dict]:
         if exchange == "all_to_all" and cp == 1:
             continue  # no expert group on one device: the same program as gathered
         m = measure(point(strategy, exchange, cp))
-        predicted = m["predicted_arguments"] + temp_from_parts(m["key"], m["parts"])
+        predicted = m["predicted_arguments"] + m["predicted_temp"]
         total = m["arguments"] + m["temp"]
         out.append(
             {

@@ -6,6 +6,7 @@ python -m bench.report > /tmp/results.md   # then paste under "## Results"
 from __future__ import annotations
 
 from bench.common import (
+    CALIBRATION_COLUMNS,
     CP_RATIO_COLUMNS,
     EXCHANGE_TIME_COLUMNS,
     GMM_COLUMNS,
@@ -17,13 +18,6 @@ from bench.common import (
     prediction_errors,
     table,
 )
-
-CAL_COLUMNS = [
-    ("key", "strategy"),
-    ("points", "points"),
-    ("median", "median |error|"),
-    ("worst", "worst |error|"),
-]
 
 
 def memory_section(mem: dict) -> list[str]:
@@ -65,10 +59,10 @@ def calibrate_section(cal: dict) -> list[str]:
         f"over every point is {cal['arguments_outputs_worst_error']:.2%}. `@cpu_half` is "
         "half precision on XLA:CPU, which converts part of a bfloat16 program to float32.\n",
         "Held out:\n",
-        table(cal["holdout_summary"], CAL_COLUMNS),
+        table(cal["holdout_summary"], CALIBRATION_COLUMNS),
         "",
         "Fit:\n",
-        table(cal["fit_summary"], CAL_COLUMNS),
+        table(cal["fit_summary"], CALIBRATION_COLUMNS),
         "",
         "![calibrate](bench/results/calibrate.png)\n",
     ]

@@ -38,7 +38,6 @@ from bench.common import (  # noqa: E402
     table,
 )
 from bench.points import Point, device_count, measure, predicted  # noqa: E402
-from selector.cost import temp_from_parts  # noqa: E402
 
 MODELS = {  # dims from the presets in conf/model (the model cards)
     "qwen3_next_80b_a3b": dict(emb=2048, hidden=512, experts=512, top_k=10),
@@ -80,12 +79,12 @@ def scale_point(model: str, split: str, seq: int, cp: int, exchange: str) -> Poi
 
 
 def row(model: str, split: str, point: Point, m: dict) -> dict:
-    """One table row: what XLA compiled, and the selector's prediction of it (temp
-    recomputed from the stored hand counts, so a new calibration needs no recompile)."""
+    """One table row: what XLA compiled, and the selector's prediction of it (after a
+    new calibration, `--repredict` asks the selector again without recompiling)."""
     predicted = {
         "arguments": m["predicted_arguments"],
         "outputs": m["predicted_outputs"],
-        "temp": temp_from_parts(m["key"], m["parts"]),
+        "temp": m["predicted_temp"],
     }
     measured = {k: m[k] for k in ("arguments", "outputs", "temp")}
 
