@@ -78,14 +78,20 @@ _DOT = re.compile(r"\bdot\(%(?P<lhs>[\w.\-]+),")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 
 
-def dot_flops(hlo_text: str, scope: str) -> float:
-    """2 x output elements x contracted size, summed over the `dot` instructions whose
-    op_name carries the named scope `scope` (e.g. "expert_compute")."""
+def value_shapes(hlo_text: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every value the program defines, by name."""
     shapes = {}
     for line in hlo_text.splitlines():
         m = _DEF.match(line)
         if m:
             shapes[m.group("name")] = tuple(int(d) for d in m.group("dims").split(",") if d)
+    return shapes
+
+
+def dot_flops(hlo_text: str, scope: str) -> float:
+    """2 x output elements x contracted size, summed over the `dot` instructions whose
+    op_name carries the named scope `scope` (e.g. "expert_compute")."""
+    shapes = value_shapes(hlo_text)
     total = 0.0
     for line in hlo_text.splitlines():
         dot, out, contract = _DOT.search(line), _DEF.match(line), _CONTRACT.search(line)

@@ -6,13 +6,12 @@ rounds, and the compiled program's collectives and argument sizes.
 """
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hlo import classify, collectives
+from hlo import classify, collectives, value_shapes
 from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads, weight_shapes
 from test_layers_parity import reference_grads
 
@@ -20,7 +19,6 @@ from layers.programs import compile_fwd_bwd
 from layers.reference import reference_choices, reference_moe
 
 BATCH, SEQ = 8, 32
-VALUE = re.compile(r"^\s*(ROOT\s+)?%[\w.\-]+\s*=\s*[a-z]+\d*\[(?P<dims>[\d,]*)\]")
 EP = ("expert_exchange=all_to_all",)
 MESHES = {
     "expert2_cp4": {"expert": 2, "context": 4},
@@ -134,15 +132,6 @@ def test_only_routed_rows_cross_devices_and_weights_stay_home(jax_cpu8, mesh_nam
         assert getattr(w_shardings, name).shard_shape(full)[0] == full[0] // group
 
 
-def value_shapes(hlo_text: str) -> set[tuple[int, ...]]:
-    """The shape of every value the compiled program defines."""
-    return {
-        tuple(int(d) for d in m.group("dims").split(",") if d)
-        for m in map(VALUE.match, hlo_text.splitlines())
-        if m
-    }
-
-
 def test_owner_runs_its_experts_one_slot_at_a_time(jax_cpu8):
     """The owner's hidden-sized buffers (gate, up, activation and their gradients) hold
     one slot of B rows, never the whole (G x B)-row receive buffer: B read from the
@@ -157,7 +146,7 @@ def test_owner_runs_its_experts_one_slot_at_a_time(jax_cpu8):
     slots = {s[1] for s in exchanged if len(s) == 3 and s[2] == emb}
     assert len(slots) == 1, exchanged
     (slot,) = slots
-    shapes = value_shapes(text)
+    shapes = set(value_shapes(text).values())
     assert (slot, hidden) in shapes, "no slot-sized hidden buffer: the expert matmuls moved"
     assert (group * slot, hidden) not in shapes, "a hidden buffer spans the receive buffer"
 
