@@ -46,12 +46,11 @@ from .ffn import swiglu
 from .grouped_matmul import (
     _gmm_tiled,
     _gmm_tiled_transposed_sum,
-    _reduce_like,
     _tgmm_tiled,
-    _varying_like,
     gmm,
     gmm_multi,
 )
+from .vma import reduce_like, varying_like
 
 ROW_ALIGN = 8  # rows per owner per round are a multiple of this
 
@@ -67,6 +66,7 @@ class Exchange:
     backend: str  # "all_to_all" or "ragged_all_to_all"
     gmm_backend: str
     dtype: object  # compute dtype
+    platform: str = "cpu"  # of the mesh's devices: where the grouped matmul will run
 
     def buffer_rows(self, rows: int) -> int:
         """B: rows each device may send each owner per round."""
@@ -79,17 +79,19 @@ def _slot_group_sizes(ids_B, local_experts: int):
     return jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
 
 
-def _slot_swiglu(x_BM, ids_B, w, local_experts: int, gmm_backend: str):
+def _slot_swiglu(x_BM, ids_B, w, local_experts: int, gmm_backend: str, platform: str):
     """One slot's rows through their experts' SwiGLU. A slot arrives sorted by local
     expert with its empty rows (id == local_experts) last, so the grouped matmul reads it
     in place: no sort, no unsort, and the empty rows come out 0."""
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
-    gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend)
-    return gmm(swiglu(gate, up), wo, sizes_L, gmm_backend)
+    gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend, platform=platform)
+    return gmm(swiglu(gate, up), wo, sizes_L, gmm_backend, platform=platform)
 
 
-def _slot_swiglu_pullback(x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_backend: str):
+def _slot_swiglu_pullback(
+    x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_backend: str, platform: str
+):
     """(dx_BM, dw + this slot's weight gradient): the pullback of `_slot_swiglu`, with
     the weight gradient added to the float32 accumulators `dw`. For `tiled_gmm` it is
     written out so the weight-gradient kernel adds into `dw` in place (no per-slot
@@ -97,7 +99,7 @@ def _slot_swiglu_pullback(x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_bac
     if gmm_backend != "tiled_gmm":
 
         def local(x, w_):
-            return _slot_swiglu(x, ids_B, w_, local_experts, gmm_backend)
+            return _slot_swiglu(x, ids_B, w_, local_experts, gmm_backend, platform)
 
         _, pullback = jax.vjp(local, x_BM, w)
         dx_BM, dw_slot = pullback(dy_BM)
@@ -210,9 +212,9 @@ class _Ragged:
 
     def to_owners(self, rows_RX, ids_R, r, local_experts):
         n = self.ex.group_size * self.b
-        out = _varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
+        out = varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
         got = self._send(rows_RX, out, r, to_owners=True)
-        empty = _varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
+        empty = varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
         got_ids = self._send(ids_R[:, None].astype(jnp.int32), empty, r, to_owners=True)[:, 0]
         got_ids = jnp.where(got_ids < 0, local_experts, got_ids % local_experts)
         slots = (self.ex.group_size, self.b)
@@ -236,10 +238,10 @@ def _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: in
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
     emb = w[2].shape[2]
-    y0 = _varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
+    y0 = varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
 
     def slot(x_ids):
-        return _slot_swiglu(*x_ids, w, local_experts, ex.gmm_backend)
+        return _slot_swiglu(*x_ids, w, local_experts, ex.gmm_backend, ex.platform)
 
     def one_round(r, y_RM):
         x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
@@ -273,10 +275,10 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
     # pullbacks, so no slot sums anything over the mesh: dx (summed over the axes only
     # the weights split, tensor) and dw (summed over the axes only the rows split) are
     # summed once, at the end, instead of once per slot.
-    w_v = tuple(_varying_like(a, x_RM) for a in w)
-    dx0 = _varying_like(jnp.zeros_like(x_RM), *w)
-    dw0 = tuple(_varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w_v)
-    dy_RM = _varying_like(dy_RM.astype(x_RM.dtype), *w)
+    w_v = tuple(varying_like(a, x_RM) for a in w)
+    dx0 = varying_like(jnp.zeros_like(x_RM), *w)
+    dw0 = tuple(varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w_v)
+    dy_RM = varying_like(dy_RM.astype(x_RM.dtype), *w)
 
     def one_round(r, carry):
         dx_RM, dw = carry
@@ -284,12 +286,12 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
         # concatenation would hold another copy of both).
         x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
         dy_GBM, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
-        x_GBM = _varying_like(x_GBM, *w)
+        x_GBM = varying_like(x_GBM, *w)
 
         def one_slot(g, slot_carry):
             dx_GBM, dw = slot_carry
             dx_BM, dw = _slot_swiglu_pullback(
-                x_GBM[g], ids_GB[g], dy_GBM[g], w_v, dw, local_experts, ex.gmm_backend
+                x_GBM[g], ids_GB[g], dy_GBM[g], w_v, dw, local_experts, ex.gmm_backend, ex.platform
             )
             return lax.dynamic_update_index_in_dim(dx_GBM, dx_BM, g, 0), dw
 
@@ -297,8 +299,8 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
         return move.back(dx_RM, dx_GBM, r, state), dw
 
     dx_RM, dw = lax.fori_loop(0, rounds, one_round, (dx0, dw0))
-    dw = tuple(_reduce_like(g.astype(a.dtype), a) for g, a in zip(dw, w, strict=True))
-    return _reduce_like(dx_RM, x_RM), None, None, dw
+    dw = tuple(reduce_like(g.astype(a.dtype), a) for g, a in zip(dw, w, strict=True))
+    return reduce_like(dx_RM, x_RM), None, None, dw
 
 
 exchange_swiglu.defvjp(_fwd, _bwd)

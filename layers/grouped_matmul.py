@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .pallas_gmm import pallas_gmm
+from .vma import reduce_like, varying_like
+
 TILE_ROWS = (512, 256, 128, 64)  # full-tile sizes, largest first
 
 
@@ -33,29 +36,6 @@ def tile_classes(rows: int) -> tuple[int, ...]:
     """Tile sizes usable for an array of `rows` rows (a tile never exceeds the array)."""
     fits = tuple(t for t in TILE_ROWS if t <= rows)
     return fits or (1 << (max(rows, 1).bit_length() - 1),)
-
-
-def _varying_like(value, *refs):
-    """Mark a fresh loop carry as varying over the mesh axes its inputs vary over.
-
-    Inside shard_map (check_vma=True) a carry built from jnp.zeros is invariant, while
-    the loop body's output varies with the inputs; the loop needs both to agree.
-    """
-    axes = set().union(*(_varying_axes(r) for r in refs)) - _varying_axes(value)
-    return lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
-
-
-def _varying_axes(x) -> set:
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    return set(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
-
-
-def _reduce_like(cotangent, primal):
-    """Sum a cotangent over the mesh axes its primal is replicated on (inside shard_map
-    the weight gradient of replicated weights is a sum over devices)."""
-    extra = _varying_axes(cotangent) - _varying_axes(primal)
-    return lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 def _dot(a, b, transpose_b: bool):
@@ -139,7 +119,7 @@ def _gmm_tiled(x_RK, ws_EKN, group_sizes_E):
     """(x @ w[e] for each w in ws), all from one pass over x's row tiles."""
     rows = x_RK.shape[0]
     outs = tuple(
-        _varying_like(jnp.zeros((rows, w.shape[2]), x_RK.dtype), x_RK, w, group_sizes_E)
+        varying_like(jnp.zeros((rows, w.shape[2]), x_RK.dtype), x_RK, w, group_sizes_E)
         for w in ws_EKN
     )
     if rows == 0:
@@ -154,7 +134,7 @@ def _gmm_tiled(x_RK, ws_EKN, group_sizes_E):
 def _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E):
     """sum_i dy_i @ w_i[e]^T: the input gradient of `_gmm_tiled`, one output buffer."""
     rows = dys_RN[0].shape[0]
-    dx = _varying_like(
+    dx = varying_like(
         jnp.zeros((rows, ws_EKN[0].shape[1]), dys_RN[0].dtype), *dys_RN, *ws_EKN, group_sizes_E
     )
     if rows == 0:
@@ -186,13 +166,13 @@ def _tgmm_tiled(x_RK, dy_RN, group_sizes_E, into_EKN=None):
     add = into_EKN is not None
     if not add:
         into_EKN = jnp.zeros((num_experts, k, n), x_RK.dtype)
-    dw_EKN = _varying_like(into_EKN, x_RK, dy_RN, group_sizes_E)
+    dw_EKN = varying_like(into_EKN, x_RK, dy_RN, group_sizes_E)
     if rows == 0:
         return dw_EKN
     full, (tail, tail_E, tail_first_E), ends_E = _tile_plan(group_sizes_E, tile_classes(rows))
 
     def expert_body(e, dw):
-        acc_KN = _varying_like(jnp.zeros((k, n), jnp.float32), x_RK, dy_RN, group_sizes_E)
+        acc_KN = varying_like(jnp.zeros((k, n), jnp.float32), x_RK, dy_RN, group_sizes_E)
         (big, big_E, big_first_E), *once = full
 
         def big_tile(j, acc):
@@ -242,62 +222,36 @@ def _tiled_bwd(res, dys_RN):
     x_RK, ws_EKN, group_sizes_E = res
     dx_RK = _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E)
     dws = tuple(
-        _reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E), w)
+        reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E), w)
         for dy, w in zip(dys_RN, ws_EKN, strict=True)
     )
-    return _reduce_like(dx_RK, x_RK), dws, None
+    return reduce_like(dx_RK, x_RK), dws, None
 
 
 tiled_gmm.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def gmm_multi(x_RK, ws_EKN, group_sizes_E, backend: str = "tiled_gmm"):
+def gmm_multi(x_RK, ws_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None):
     """(gmm(x, w) for w in ws_EKN): the tiled backend reads x once for all of them and
     writes one input gradient; other backends run one gmm each."""
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled_gmm":
         return tiled_gmm(x_RK, tuple(ws_EKN), group_sizes_E)
-    return tuple(gmm(x_RK, w, group_sizes_E, backend) for w in ws_EKN)
+    return tuple(gmm(x_RK, w, group_sizes_E, backend, platform=platform) for w in ws_EKN)
 
 
-def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm"):
-    """Grouped matmul with the named backend (see the module docstring)."""
+def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None):
+    """Grouped matmul with the named backend (see the module docstring).
+
+    platform: the platform of the mesh the program is compiled for (`pallas_megablox`
+    runs natively on "tpu", in Pallas interpret mode elsewhere); default: JAX's backend.
+    """
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled_gmm":
         return tiled_gmm(x_RK, (w_EKN,), group_sizes_E)[0]
     if backend == "ragged_dot":
         return lax.ragged_dot(x_RK, w_EKN, group_sizes_E)
     if backend == "pallas_megablox":
-        return _pallas_gmm(x_RK, w_EKN, group_sizes_E)
+        platform = jax.default_backend() if platform is None else platform
+        return pallas_gmm(x_RK, w_EKN, group_sizes_E, interpret=platform != "tpu")
     raise ValueError(f"unknown gmm backend {backend!r}: tiled_gmm, ragged_dot or pallas_megablox")
-
-
-PALLAS_TILE = 128  # the Pallas megablox kernel's default (rows, contraction, output) tile
-
-
-def _pallas_gmm(x_RK, w_EKN, group_sizes_E):
-    """The Pallas megablox kernel (TPU; interpret mode elsewhere). It needs the rows to
-    be a whole number of row tiles, so, as MaxText 0.2.5's source does (read there),
-    the rows are padded with zeros to the next multiple of the tile (the padding lies
-    past every group) and the result's padding is dropped. Contraction and output dims use a full tile when they
-    divide by it, else the whole dim."""
-    from jax.experimental.pallas.ops.tpu.megablox import gmm as pallas_gmm
-
-    rows, k = x_RK.shape
-    n = w_EKN.shape[2]
-    padded = -(-max(rows, 1) // PALLAS_TILE) * PALLAS_TILE
-    x_pad = jnp.pad(x_RK, ((0, padded - rows), (0, 0)))
-    tiling = (
-        PALLAS_TILE,
-        PALLAS_TILE if k % PALLAS_TILE == 0 else k,
-        PALLAS_TILE if n % PALLAS_TILE == 0 else n,
-    )
-    y = pallas_gmm(
-        x_pad,
-        w_EKN,
-        group_sizes_E,
-        preferred_element_type=x_RK.dtype,
-        tiling=tiling,
-        interpret=jax.default_backend() != "tpu",
-    )
-    return y[:rows]

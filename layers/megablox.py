@@ -38,8 +38,9 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
             y_RM = exchange_swiglu(x_RM, sorted_ids_R, group_sizes_E, experts, ex, buffer)
             rounds = rounds_needed(group_sizes_E, ex, experts[0].shape[0], buffer)
         else:
-            gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, spec.gmm_backend)
-            y_RM = gmm(swiglu(gate_RH, up_RH), experts[2], group_sizes_E, spec.gmm_backend)
+            kernel = dict(backend=spec.gmm_backend, platform=spec.platform)
+            gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, **kernel)
+            y_RM = gmm(swiglu(gate_RH, up_RH), experts[2], group_sizes_E, **kernel)
     with jax.named_scope("unpermute_combine"):
         inverse_R = jnp.argsort(order_R)
         y_TKM = jnp.take(y_RM, inverse_R, axis=0).reshape(batch * seq, spec.top_k, emb)

@@ -48,8 +48,23 @@ def abstract_inputs(model: MoEBlock, batch: int, seq: int):
     return w, x
 
 
-def compile_fwd_bwd(model: MoEBlock, batch: int, seq: int, *, flatten_baseline: bool = False):
-    """The compiled program of d(loss)/d(weights, x) for a (batch, seq, emb) input."""
+def compile_fwd_bwd(
+    model: MoEBlock,
+    batch: int,
+    seq: int,
+    *,
+    flatten_baseline: bool = False,
+    compiler_options: dict | None = None,
+):
+    """The compiled program of d(loss)/d(weights, x) for a (batch, seq, emb) input, for
+    the devices of the block's mesh (abstract TPU or GPU devices included: pass the
+    target's `compile_options()`)."""
     loss = fwd_bwd_loss(block_forward(model, flatten_baseline=flatten_baseline))
     w, x = abstract_inputs(model, batch, seq)
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile()
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile(compiler_options)
+
+
+def compile_forward(model: MoEBlock, batch: int, seq: int, *, compiler_options=None):
+    """The compiled forward program (prefill and decode): (y, stats) from (weights, x)."""
+    w, x = abstract_inputs(model, batch, seq)
+    return jax.jit(block_forward(model)).lower(w, x).compile(compiler_options)

@@ -72,6 +72,12 @@ class Layout:
         )
 
     @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices ("tpu", "gpu", "cpu"; abstract devices of
+        a compile target included), which chooses how kernels are built."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def token_axes(self) -> tuple[str, ...]:
         """Axes that split the tokens: statistics are summed over exactly these."""
         return self.batch + self.sequence

@@ -32,6 +32,7 @@ class MoESpec:
     shared_experts: int = 0  # shared hidden = shared_experts x hidden
     shared_expert_gate: bool = False
     capacity_rounding: str = "ours"
+    platform: str = "cpu"  # of the mesh's devices: the grouped matmul's kernel follows it
 
     @classmethod
     def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
@@ -45,6 +46,7 @@ class MoESpec:
                 backend=plan.exchange_backend,
                 gmm_backend=plan.gmm_backend,
                 dtype=jnp.dtype(cfg.dtype),
+                platform=layout.platform,
             )
         return cls(
             cfg.num_experts,
@@ -64,6 +66,7 @@ class MoESpec:
             cfg.shared_experts,
             cfg.shared_expert_gate,
             cfg.capacity_rounding.value,
+            layout.platform,
         )
 
     @property

@@ -33,6 +33,16 @@ class Dispatch(str, enum.Enum):
     mlp = "mlp"  # one expert: a plain SwiGLU block, nothing to route
 
 
+class GmmBackend(str, enum.Enum):
+    """The grouped matmul the megablox dispatch runs. `auto`: the platform's default
+    (TPU: the Pallas megablox kernels; GPU and CPU: our tiled_gmm)."""
+
+    auto = "auto"
+    tiled_gmm = "tiled_gmm"  # ours: pure JAX, tiles read in place, custom VJP
+    ragged_dot = "ragged_dot"  # XLA's op (dense work over every group on XLA:GPU, CPU)
+    pallas_megablox = "pallas_megablox"  # JAX's Pallas TPU kernels (interpret mode elsewhere)
+
+
 class Mode(str, enum.Enum):
     train = "train"
     prefill = "prefill"
@@ -191,7 +201,7 @@ class Config:
     # even share; more rows take more rounds, never a drop.
     expert_buffer_factor: float = 1.125
     allow_local_batch_inflation: bool = False
-    gmm_tile_rows: int = 128  # grouped-matmul row tile, used for padding estimates
+    gmm_backend: GmmBackend = GmmBackend.auto
     output: OutputFormat = OutputFormat.text
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)

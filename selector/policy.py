@@ -22,6 +22,7 @@ from .config import Config, Dispatch, Exchange, ExpertGroup
 from .cost import Estimate
 from .mesh import MeshView
 from .placement import WeightPlacement, exchanged, expert_group, gathered
+from .problem import gmm_backend as gmm_backend
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
 Key = tuple[Dispatch, Exchange]
@@ -151,11 +152,3 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
                 verdicts[k] = "slower (estimated)"
     verdicts[chosen] = "chosen"
     return chosen, reason, verdicts
-
-
-def gmm_backend(cfg: Config) -> str:
-    """Grouped-matmul backend for the megablox dispatch, by platform."""
-    return {
-        "tpu": "pallas_megablox",  # jax.experimental.pallas.ops.tpu.megablox
-        "gpu": "ragged_dot",  # XLA's native grouped matmul on GPU
-    }.get(cfg.hardware.platform, "tiled_gmm")  # ours: pure JAX, custom VJP

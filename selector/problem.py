@@ -6,12 +6,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import DTYPE_BYTES, Config, Dispatch, Exchange, Mode
+from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Mode
 from .derive import PerDevice
 from .mesh import MeshView
 from .placement import WeightPlacement
 
 ROUND_ALIGN = 8  # exchange buffers hold a multiple of 8 rows per owner (as the layers)
+# Rows each backend computes past the last full tile of an expert's group: the Pallas
+# kernels work in 128-row tiles; tiled_gmm computes its masked tail as one 64-row tile.
+GMM_TAIL_ROWS = {"pallas_megablox": 128, "ragged_dot": 128, "tiled_gmm": 64}
+
+
+def gmm_backend(cfg: Config) -> str:
+    """Grouped-matmul backend for the megablox dispatch: the one asked for, else the
+    platform's. On GPU not `ragged_dot`: XLA:GPU (jax 0.10.2's CUDA plugin) lowers it to
+    masked dense matmuls over every group, while tiled_gmm compiles to grouped work
+    there (both compiled ahead of time for 8 x H100; README, "Compiled for TPU and GPU")."""
+    if cfg.gmm_backend is not GmmBackend.auto:
+        return cfg.gmm_backend.value
+    if cfg.hardware.platform == "tpu":
+        return GmmBackend.pallas_megablox.value  # jax.experimental.pallas.ops.tpu.megablox
+    return GmmBackend.tiled_gmm.value  # ours: pure JAX, custom VJP
+
+
+def gmm_dense_over_groups(cfg: Config) -> bool:
+    """Whether the grouped matmul does every group's work on every row: `ragged_dot`
+    off TPU lowers to masked dense matmuls (XLA:CPU and XLA:GPU, measured)."""
+    return gmm_backend(cfg) == "ragged_dot" and cfg.hardware.platform != "tpu"
 
 
 @dataclass(frozen=True)
@@ -36,7 +57,8 @@ class Shape:
     xb: int  # bytes per element of the compute dtype
     pb: int  # bytes per element of the parameters
     passes: int  # 3 when training (forward plus a backward of about twice its cost)
-    tile: int
+    tile: int  # rows computed past an expert's last full tile (its masked tail)
+    gmm_dense: bool  # the grouped matmul computes every group on every row
     buffer_factor: float
     ragged: bool  # the exchange sends exactly the rows (no padding to B)
     train: bool
@@ -71,7 +93,8 @@ def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlac
         xb=xb,
         pb=DTYPE_BYTES.get(cfg.param_dtype, 4),
         passes=3 if cfg.mode is Mode.train else 1,
-        tile=cfg.gmm_tile_rows,
+        tile=GMM_TAIL_ROWS[gmm_backend(cfg)],
+        gmm_dense=gmm_dense_over_groups(cfg),
         buffer_factor=cfg.expert_buffer_factor,
         ragged=cfg.hardware.platform != "cpu",
         train=cfg.mode is Mode.train,
@@ -89,7 +112,9 @@ def rows(strategy: Dispatch, p: Shape) -> float:
     if strategy is Dispatch.mlp:
         return p.T
     if strategy is Dispatch.megablox:
-        # Each expert's group is padded to a whole tile: on average half a tile each.
+        if p.gmm_dense:
+            return p.T * p.k * p.E_c
+        # Each expert's last tile is computed whole: on average half a tile each.
         return p.T * p.k + min(p.E_c, p.T * p.k) * p.tile / 2
     if strategy is Dispatch.dense:
         return p.T * p.E

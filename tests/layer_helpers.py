@@ -93,6 +93,7 @@ def weight_shapes(model: layers.MoEBlock) -> set[tuple[int, ...]]:
     ex, em, hi = lay.size(lay.experts), lay.size(lay.embed), lay.size(lay.hidden)
     ex_compute = lay.size(lay.group)  # the group keeps its experts split; 1 when gathered
     shapes = weight_stage_shapes((m, e), [(em, 1), (1, 1)])
+    shapes |= {s[::-1] for s in shapes}  # XLA:GPU gathers the router kernel transposed
     shapes |= weight_stage_shapes((e, m, h), [(ex, em, hi), (ex, 1, hi), (ex_compute, 1, hi)])
     shapes |= weight_stage_shapes((e, h, m), [(ex, hi, em), (ex, hi, 1), (ex_compute, hi, 1)])
     return shapes

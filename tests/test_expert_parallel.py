@@ -169,7 +169,7 @@ def test_ragged_backend_lowers_to_ragged_all_to_all(jax_cpu8):
 
     cfg = h100_ep_config(2, 256)
     plan = selector.resolve(cfg)  # no live mesh: the H100 platform stands
-    assert plan.exchange_backend == "ragged_all_to_all" and plan.gmm_backend == "ragged_dot"
+    assert plan.exchange_backend == "ragged_all_to_all" and plan.gmm_backend == "tiled_gmm"
     model = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan), plan=plan, rngs=nnx.Rngs(0))
     assert model.spec.exchange.backend == "ragged_all_to_all"
     w, x = abstract_inputs(model, 2, 256)

@@ -37,3 +37,16 @@ def test_every_config_group_is_declared_with_its_yaml():
     conf = ROOT / package_dir["selector.conf"]
     for group in (p for p in conf.iterdir() if p.is_dir() and any(p.glob("*.yaml"))):
         assert f"selector.conf.{group.name}" in packages, f"config group {group.name} not shipped"
+
+
+def test_package_data_files_are_declared():
+    """Data the library reads at run time (the GPU target descriptions, the memory
+    calibration) is matched by a package-data pattern, so the wheel carries it."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = data["package-data"]
+    for package, path in (
+        ("layers", "targets_data/gpu.json"),
+        ("selector", "memory_calibration.json"),
+    ):
+        assert (ROOT / package / path).is_file(), path
+        assert any(Path(path).match(p) for p in patterns.get(package, [])), path

@@ -221,6 +221,18 @@ CASES = [
         ("n_routing_groups=4", "topk_routing_group=2"),
     ),
     (
+        "GMM_BACKEND_PLATFORM",
+        "error",
+        ("mesh=h100_8", "gmm_backend=pallas_megablox"),
+        ("mesh=h100_8", "gmm_backend=tiled_gmm"),
+    ),
+    (
+        "GMM_BACKEND_DENSE_WORK",
+        "warning",
+        ("mesh=h100_8", "gmm_backend=ragged_dot"),
+        ("mesh=h100_8", "gmm_backend=auto"),
+    ),
+    (
         "SHARED_GATE_WITHOUT_EXPERTS",
         "error",
         ("shared_expert_gate=true",),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch
-from ..findings import Finding, error, fix
+from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend
+from ..findings import Finding, error, fix, warning
 
 POSITIVE = (
     "base_emb_dim",
@@ -14,7 +14,6 @@ POSITIVE = (
     "num_experts_per_tok",
     "max_target_length",
     "per_device_batch_size",
-    "gmm_tile_rows",
     "expert_buffer_factor",
     "routed_scaling_factor",
 )
@@ -178,6 +177,34 @@ def shared_gate_needs_experts(cfg: Config) -> list[Finding]:
     return []
 
 
+def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
+    """A grouped-matmul backend the chip cannot run, or runs as dense work."""
+    backend, platform = cfg.gmm_backend, cfg.hardware.platform
+    if backend is GmmBackend.pallas_megablox and platform == "gpu":
+        return [
+            error(
+                "GMM_BACKEND_PLATFORM",
+                "gmm_backend",
+                f"gmm_backend=pallas_megablox is JAX's Pallas kernel for TPUs; "
+                f"hardware={cfg.hardware.name} is a GPU, which cannot run it.",
+                [fix(gmm_backend=GmmBackend.tiled_gmm), fix(gmm_backend=GmmBackend.auto)],
+            )
+        ]
+    if backend is GmmBackend.ragged_dot and platform != "tpu":
+        return [
+            warning(
+                "GMM_BACKEND_DENSE_WORK",
+                "gmm_backend",
+                f"gmm_backend=ragged_dot on {platform} lowers to masked dense matmuls over "
+                f"every expert's group (XLA:GPU and XLA:CPU, jax 0.10.2, compiled here): "
+                f"about num_experts={cfg.num_experts} times the routed rows' FLOPs. "
+                "tiled_gmm computes only the routed rows' tiles.",
+                [fix(gmm_backend=GmmBackend.tiled_gmm)],
+            )
+        ]
+    return []
+
+
 SETTINGS_RULES = (
     sizes_in_range,
     routing_groups,
@@ -188,4 +215,5 @@ SETTINGS_RULES = (
     known_dtypes,
     hardware_values,
     mlp_needs_one_expert,
+    gmm_backend_on_platform,
 )

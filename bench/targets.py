@@ -1,0 +1,291 @@
+"""The block compiled for the chips users train on: XLA:TPU (v5p) and XLA:GPU (H100).
+
+Everything here is compiled ahead of time on this CPU machine for abstract devices
+(`layers.targets`; nothing runs on a TPU or GPU) and read from the compiled program:
+XLA's per-device memory analysis, the Mosaic kernels in the HLO, and the FLOPs of the
+expert matmuls.
+
+1. The small block (emb 256, hidden 512, E=16, k=2, bfloat16, (fsdp=2, context=4),
+   2 x 4096 tokens, fwd+bwd) for 8 v5p chips and 8 H100s: every dispatch, placement and
+   grouped-matmul backend, with the selector's predicted temp beside XLA's.
+   Expert-matmul FLOPs per device: the dots of the optimized HLO; for tiled_gmm, whose
+   tiles run in loops with data-dependent trip counts, each loop's dot (its tile size
+   read from the HLO) times the tiles the kernel's schedule runs for the rows each
+   device routes to each expert (tokens routed to k distinct experts uniformly at
+   random, seed 0). `vs routed` divides by 2 x 3 x (routed rows) x M x H x 3 (three
+   matmuls, forward and two backward products): the dense FLOPs of the routed rows.
+2. MaxText 0.2.5's comparison shape on XLA:TPU (emb 2048, hidden 512, E=64, k=8,
+   bfloat16, 4 x 8192 tokens; fsdp=2 x context=cp on 2 cp chips): our gathered and
+   exchanged megablox blocks with the Pallas kernels, beside MaxText's megablox block
+   as measured from outside on the same compiler (shared/NOTES.md: jax 0.12.0.1 and
+   libtpu 0.0.50.1; MaxText is not run here).
+
+    python -m bench.targets              # writes bench/results/targets.json and .png
+    python -m bench.targets --replot
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+
+import numpy as np
+
+# Abstract TPU and GPU devices only need JAX's CPU backend (and the CUDA plugin offers its
+# compile-only GPU topology only then, on a machine without a GPU driver).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from bench.common import arguments, pyplot, save, table
+
+SMALL = dict(emb=256, hidden=512, experts=16, top_k=2, batch=2, seq=4096)
+SMALL_MESH = {"fsdp": 2, "context": 4}
+MAXTEXT = dict(emb=2048, hidden=512, experts=64, top_k=8, batch=4, seq=8192)
+# MaxText 0.2.5's Pallas megablox block on XLA:TPU, per-device temp MiB by cp (NOTES.md).
+MAXTEXT_TEMP_MIB = {1: 3209, 2: 1926, 4: 931}
+CASES = [  # (dispatch, exchange, backend) compiled for each platform
+    ("dense", "gather", "auto"),
+    ("subgroup_capacity", "gather", "auto"),
+    ("megablox", "gather", "pallas_megablox"),
+    ("megablox", "gather", "tiled_gmm"),
+    ("megablox", "gather", "ragged_dot"),
+    ("megablox", "all_to_all", "pallas_megablox"),
+    ("megablox", "all_to_all", "tiled_gmm"),
+]
+PLATFORM_BACKENDS = {
+    "tpu": {"pallas_megablox", "tiled_gmm", "ragged_dot", "auto"},
+    "gpu": {"tiled_gmm", "ragged_dot", "auto"},
+}
+HARDWARE = {"tpu": "v5p", "gpu": "h100"}
+COLUMNS = [
+    ("platform", "compiler"),
+    ("name", "dispatch / weights"),
+    ("backend", "grouped matmul"),
+    ("temp_mib", "temp MiB"),
+    ("predicted_temp_mib", "selector temp MiB"),
+    ("kernels", "Mosaic kernels"),
+    ("flops_vs_routed", "expert FLOPs / routed"),
+]
+MAXTEXT_COLUMNS = [
+    ("cp", "cp"),
+    ("chips", "chips"),
+    ("gathered_mib", "ours gathered temp MiB"),
+    ("exchanged_mib", "ours exchanged temp MiB"),
+    ("maxtext_mib", "MaxText 0.2.5 temp MiB"),
+]
+
+
+def overrides(platform, dims, mesh, dispatch, exchange, backend) -> list[str]:
+    devices = math.prod(mesh.values())
+    return [
+        "model=tiny",
+        f"hardware={HARDWARE[platform]}",
+        f"num_devices={devices}",
+        "ici_fsdp_parallelism=1",
+        *(f"ici_{a}_parallelism={n}" for a, n in mesh.items()),
+        f"dispatch={dispatch}",
+        f"expert_exchange={exchange}",
+        f"gmm_backend={backend}",
+        f"capacity_factor={1.25 if dispatch == 'subgroup_capacity' else -1}",
+        f"base_emb_dim={dims['emb']}",
+        f"base_moe_mlp_dim={dims['hidden']}",
+        f"num_experts={dims['experts']}",
+        f"num_experts_per_tok={dims['top_k']}",
+        f"max_target_length={dims['seq']}",
+        f"per_device_batch_size={dims['batch'] / devices}",
+        "dtype=bfloat16",
+        "param_dtype=bfloat16",
+        "context_parallel_load_balance=false",
+        "hardware.memory_gib=1000000",
+        # MaxText's comparison holds 4 sequences on fsdp=2: two a batch shard, on purpose.
+        "allow_local_batch_inflation=true",
+    ]
+
+
+def compile_block(platform, dims, mesh, dispatch, exchange, backend):
+    from flax import nnx
+
+    import layers
+    import selector
+    from layers import targets
+    from layers.programs import compile_fwd_bwd
+
+    target = targets.Target(HARDWARE[platform], math.prod(mesh.values()))
+    cfg = selector.compose(overrides(platform, dims, mesh, dispatch, exchange, backend))
+    devices = layers.make_mesh(mesh, target.devices())
+    block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=devices, rngs=nnx.Rngs(0)))
+    start = time.perf_counter()
+    program = compile_fwd_bwd(
+        block, dims["batch"], dims["seq"], compiler_options=target.compile_options()
+    )
+    return block, program, time.perf_counter() - start
+
+
+def routed_group_sizes(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:
+    """Rows per expert on one device when each token picks k distinct experts at random."""
+    rng = np.random.default_rng(seed)
+    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return np.bincount(picks.reshape(-1), minlength=experts)
+
+
+def tiled_rows_run(group_sizes: np.ndarray, tiles: tuple[int, ...]) -> int:
+    """Rows tiled_gmm computes for these groups: each group's full tiles, largest class
+    first, the smaller classes at most once, then one masked tail tile (the kernel's
+    schedule, layers.grouped_matmul._tile_plan)."""
+    total = 0
+    for size in group_sizes:
+        left = int(size)
+        total += left // tiles[0] * tiles[0]
+        left %= tiles[0]
+        for tile in tiles[1:]:
+            if left >= tile:
+                total += tile
+                left -= tile
+        total += tiles[-1] if left else 0
+    return total
+
+
+def expert_flops(platform, block, program, dims) -> tuple[float, float]:
+    """(expert-matmul FLOPs per device, dense FLOPs of the routed rows), fwd+bwd."""
+    from layers.grouped_matmul import tile_classes
+
+    text = program.as_text()
+    tokens = dims["batch"] * dims["seq"] // 8
+    rows = tokens * dims["top_k"]
+    m, h = dims["emb"], dims["hidden"]
+    routed = 2 * 3 * rows * m * h * 3
+    if platform != "gpu" or block.spec.exchange is not None:
+        return float("nan"), routed  # TPU: convolutions; exchanged: per-slot schedules
+    import sys
+
+    sys.path.insert(0, "tests")
+    from hlo import dot_flops
+
+    static = dot_flops(text, "expert_compute")
+    if block.plan.strategy.value == "megablox" and block.plan.gmm_backend == "tiled_gmm":
+        tiles = tile_classes(rows)
+        sizes = routed_group_sizes(tokens, dims["experts"], dims["top_k"])
+        # Loop bodies appear once in the HLO: count their work from the schedule instead.
+        static -= _loop_dot_flops(text)
+        static += 2 * tiled_rows_run(sizes, tiles) * m * h * 3 * 3
+    return static, routed
+
+
+def _loop_dot_flops(text: str) -> float:
+    import sys
+
+    sys.path.insert(0, "tests")
+    from hlo import value_shapes
+
+    shapes = value_shapes(text)
+    total = 0.0
+    for line in text.splitlines():
+        if " dot(" not in line or "expert_compute/while" not in line:
+            continue
+        name = re.match(r"\s*(ROOT\s+)?%([\w.\-]+)", line).group(2)
+        lhs = re.search(r"\bdot\(%([\w.\-]+),", line).group(1)
+        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
+        k = math.prod(shapes[lhs][int(d)] for d in contract.split(",") if d)
+        total += 2 * math.prod(shapes[name]) * k
+    return total
+
+
+def small_rows() -> list[dict]:
+    import selector
+
+    rows = []
+    for platform in ("tpu", "gpu"):
+        for dispatch, exchange, backend in CASES:
+            if backend not in PLATFORM_BACKENDS[platform]:
+                continue
+            block, program, seconds = compile_block(
+                platform, SMALL, SMALL_MESH, dispatch, exchange, backend
+            )
+            m = program.memory_analysis()
+            flops, routed = expert_flops(platform, block, program, SMALL)
+            cfg = selector.compose(
+                overrides(platform, SMALL, SMALL_MESH, dispatch, exchange, backend)
+            )
+            est = selector.resolve(cfg, SMALL_MESH).chosen_estimate
+            rows.append(
+                {
+                    "platform": {"tpu": "XLA:TPU v5p x 8", "gpu": "XLA:GPU H100 x 8"}[platform],
+                    "name": f"{dispatch} / {exchange}",
+                    "backend": block.plan.gmm_backend if dispatch == "megablox" else "",
+                    "temp_mib": m.temp_size_in_bytes / 2**20,
+                    "arguments_mib": m.argument_size_in_bytes / 2**20,
+                    "predicted_temp_mib": est.memory.temp / 2**20,
+                    "kernels": program.as_text().count('custom_call_target="tpu_custom_call"'),
+                    "flops_vs_routed": "" if math.isnan(flops) else round(flops / routed, 3),
+                    "compile_s": round(seconds, 1),
+                }
+            )
+            print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def maxtext_rows() -> list[dict]:
+    rows = []
+    for cp, temp in MAXTEXT_TEMP_MIB.items():
+        mesh = {"fsdp": 2, "context": cp}
+        row = {"cp": cp, "chips": 2 * cp, "maxtext_mib": temp}
+        for exchange in ("gather", "all_to_all"):
+            if exchange == "all_to_all" and cp == 1:
+                row["exchanged_mib"] = ""  # no expert group at cp = 1
+                continue
+            _, program, _ = compile_block("tpu", MAXTEXT, mesh, "megablox", exchange, "auto")
+            key = "gathered_mib" if exchange == "gather" else "exchanged_mib"
+            row[key] = program.memory_analysis().temp_size_in_bytes / 2**20
+        rows.append(row)
+        print(table(rows[-1:], MAXTEXT_COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    small = payload["small"]
+    labels = [f"{r['name']}\n{r['backend']}".strip() for r in small if "TPU" in r["platform"]]
+    for offset, (platform, color) in enumerate((("TPU", "tab:blue"), ("GPU", "tab:orange"))):
+        mine = {
+            f"{r['name']}\n{r['backend']}".strip(): r for r in small if platform in r["platform"]
+        }
+        xs = [i + 0.4 * offset for i, lab in enumerate(labels) if lab in mine]
+        ys = [mine[lab]["temp_mib"] for lab in labels if lab in mine]
+        axes[0].bar(xs, ys, width=0.4, color=color, label=f"XLA:{platform}")
+    axes[0].set_xticks([i + 0.2 for i in range(len(labels))])
+    axes[0].set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    axes[0].set_ylabel("per-device temp MiB (fwd+bwd)")
+    axes[0].set_title("Small block, (fsdp=2, context=4), compiled ahead of time")
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    mt = payload["maxtext"]
+    cps = [r["cp"] for r in mt]
+    axes[1].plot(cps, [r["maxtext_mib"] for r in mt], "k--o", label="MaxText 0.2.5 megablox")
+    axes[1].plot(cps, [r["gathered_mib"] for r in mt], "-o", label="ours, gathered")
+    ex = [(r["cp"], r["exchanged_mib"]) for r in mt if r["exchanged_mib"] != ""]
+    axes[1].plot([c for c, _ in ex], [v for _, v in ex], "-s", label="ours, exchanged")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xticks(cps)
+    axes[1].set_xticklabels([str(c) for c in cps])
+    axes[1].set_xlabel("cp (fsdp=2 x context=cp chips, fixed global batch)")
+    axes[1].set_ylabel("per-device temp MiB (fwd+bwd)")
+    axes[1].set_title("MaxText's shape on XLA:TPU v5p")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    args = arguments("targets", __doc__, plot)
+    if args is None:
+        return
+    payload = {"small": small_rows(), "maxtext": maxtext_rows()}
+    print(table(payload["small"], COLUMNS))
+    print()
+    print(table(payload["maxtext"], MAXTEXT_COLUMNS))
+    print("wrote", *save("targets", payload, plot(payload)))
+
+
+if __name__ == "__main__":
+    main()

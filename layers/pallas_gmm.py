@@ -1,0 +1,109 @@
+"""The Pallas megablox kernels (JAX's `jax.experimental.pallas.ops.tpu.megablox`) wired
+for use inside the block's `shard_map(check_vma=True)`.
+
+JAX's kernels build their output as a `ShapeDtypeStruct` with no varying-axes type,
+which a `check_vma=True` shard_map refuses at trace time ("`manual_axis_type` on
+`jax.ShapeDtypeStruct` must not be `None`"), and JAX's own VJP for them (`ops.gmm`) is
+traced in the backward pass, outside any scope the caller could open. So the kernel
+(`gmm`, `tgmm`) stays JAX's and the VJP wiring is ours: each kernel call is traced with
+the varying-axes check off, and its result is declared varying over exactly the mesh
+axes its inputs vary over (the kernel computes per device, so that is what it is).
+MaxText 0.2.5 instead turns the check off for its whole MoE shard_map (read in its
+source); we keep the check for everything but the kernel call.
+
+Rows are padded to the kernel's 128-row tile (MaxText 0.2.5's source pads them the same
+way): the padding lies past every group, so it is neither computed into nor read back.
+Interpret mode (the kernel run by XLA, slowly) is for meshes that are not TPUs, as
+MaxText decides it: from the mesh's devices, not the local backend, so a program
+compiled ahead of time for a TPU topology on a CPU machine gets the native kernel.
+
+Legend: R rows, K contraction, N output, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# The varying-axes check of shard_map is a config state JAX keeps private; the kernel
+# call is the one place it must be off (see the module docstring).
+from jax._src import config as _jax_config
+
+from .vma import reduce_like, varying_like
+
+# The kernels' module (the package's `gmm` attribute is JAX's VJP-wrapped function).
+_kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+ROW_TILE = 128  # the kernel's row tile; K and N use it when they divide by it
+
+
+def _tile(dim: int) -> int:
+    return ROW_TILE if dim % ROW_TILE == 0 else dim
+
+
+def _unchecked(kernel, *args, **kwargs):
+    with _jax_config._check_vma(False):
+        return kernel(*args, **kwargs)
+
+
+def _gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, transpose_w: bool = False):
+    k, n = (w_EKN.shape[2], w_EKN.shape[1]) if transpose_w else w_EKN.shape[1:]
+    y_RN = _unchecked(
+        _kernels.gmm,
+        x_RK,
+        w_EKN,
+        group_sizes_E,
+        x_RK.dtype,
+        (ROW_TILE, _tile(k), _tile(n)),
+        transpose_rhs=transpose_w,
+        interpret=interpret,
+    )
+    return varying_like(y_RN, x_RK, w_EKN, group_sizes_E)
+
+
+def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool):
+    k, n = x_RK.shape[1], dy_RN.shape[1]
+    dw_EKN = _unchecked(
+        _kernels.tgmm,
+        x_RK.swapaxes(0, 1),
+        dy_RN,
+        group_sizes_E,
+        dtype,
+        (ROW_TILE, _tile(k), _tile(n)),
+        interpret=interpret,
+    )
+    return varying_like(dw_EKN, x_RK, dy_RN, group_sizes_E)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _padded_gmm(x_RK, w_EKN, group_sizes_E, interpret: bool):
+    return _gmm(x_RK, w_EKN, group_sizes_E, interpret)
+
+
+def _fwd(x_RK, w_EKN, group_sizes_E, interpret):
+    return _gmm(x_RK, w_EKN, group_sizes_E, interpret), (x_RK, w_EKN, group_sizes_E)
+
+
+def _bwd(interpret, res, dy_RN):
+    x_RK, w_EKN, group_sizes_E = res
+    dx_RK = _gmm(dy_RN, w_EKN, group_sizes_E, interpret, transpose_w=True)
+    dw_EKN = _tgmm(x_RK, dy_RN, group_sizes_E, w_EKN.dtype, interpret)
+    return reduce_like(dx_RK, x_RK), reduce_like(dw_EKN, w_EKN), None
+
+
+_padded_gmm.defvjp(_fwd, _bwd)
+
+
+def pallas_gmm(x_RK, w_EKN, group_sizes_E, *, interpret: bool):
+    """y_RN = x_RK rows of group e times w_EKN[e], by the Pallas megablox kernels
+    (forward `gmm`; backward `gmm` against the transposed weights and `tgmm`).
+    The weight gradient comes back in the weights' dtype, as JAX's megablox returns it."""
+    rows = x_RK.shape[0]
+    padded = -(-max(rows, 1) // ROW_TILE) * ROW_TILE
+    x_pad = lax.pad(x_RK, jnp.zeros((), x_RK.dtype), ((0, padded - rows, 0), (0, 0, 0)))
+    y = _padded_gmm(x_pad, w_EKN, group_sizes_E.astype(jnp.int32), interpret)
+    return y[:rows]

@@ -1,0 +1,231 @@
+"""Compile targets: abstract devices of the chips MoE models train on, so a program can be
+compiled for a TPU slice or a GPU node, and its HLO and memory read, on a machine that
+has neither. Nothing runs on them; `jax.jit(f).lower(...).compile()` is what they are for.
+
+- TPU (v5p, v6e, v5e), by chips per slice and slices, through libtpu (`pip install
+  "moe-cp[tpu]"`).
+- GPU (H100, H200), by GPUs per host and hosts, through JAX's CUDA plugin (`pip install
+  "moe-cp[gpu]"`) and a GPU description shipped with this package
+  (`targets_data/gpu.json`, figures from XLA's public target configs, named there).
+- CPU: the simulated host devices (`--xla_force_host_platform_device_count`).
+
+    >>> from layers import targets
+    >>> t = targets.Target("v5p", 8)
+    >>> t.platform, t.describe()
+    ('tpu', 'v5p, 8 chips (2x2x2)')
+    >>> targets.Target.from_hardware("h200", num_devices=16, num_slices=2).describe()
+    'h200, 2 hosts x 8 GPUs'
+
+Compile GPU programs with `compile_options(target)`: autotuning needs a real GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+TPU_CHIPS = {  # generation -> (torus dims, chips per host, chip config name)
+    "v5p": (3, (2, 2, 1), "megacore"),
+    "v6e": (2, (2, 2, 1), "default"),
+    "v5e": (2, (2, 2, 1), "default"),
+}
+GPU_FILE = Path(__file__).resolve().parent / "targets_data" / "gpu.json"
+GPU_PER_HOST = 8
+EXTRA = {"tpu": "tpu", "gpu": "gpu"}  # pip extra that brings each compiler
+# Compiling for a GPU here: no autotuning (it times kernels on a device).
+GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_shard_autotuning": False}
+
+
+class TargetUnavailable(RuntimeError):
+    """The compiler for a target is not installed (the message names the extra)."""
+
+
+def gpu_chips() -> tuple[str, ...]:
+    return tuple(k for k in _gpu_facts() if not k.startswith("_"))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A compile target: `chip` (a TPU generation, a GPU, or "cpu"), `per_slice` devices
+    in each slice (TPU chips of one ICI slice, GPUs of one host), `slices` of them
+    (DCN-connected slices, or hosts)."""
+
+    chip: str
+    per_slice: int
+    slices: int = 1
+
+    def __post_init__(self):
+        known = (*TPU_CHIPS, *gpu_chips(), "cpu")
+        if self.chip not in known:
+            raise ValueError(f"unknown chip {self.chip!r}: one of {', '.join(known)}")
+        if self.per_slice < 1 or self.slices < 1:
+            raise ValueError(f"a target needs >= 1 device and slice, not {self}")
+
+    @classmethod
+    def from_hardware(cls, chip: str, num_devices: int, num_slices: int = 1) -> Target:
+        """The target a selector config describes (`hardware.name`, `num_devices`,
+        `num_slices`); GPU hosts hold 8 GPUs, and slices of GPUs are their hosts."""
+        if chip in gpu_chips() and num_slices == 1 and num_devices > GPU_PER_HOST:
+            num_slices = num_devices // GPU_PER_HOST
+        if num_devices % num_slices:
+            raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
+        return cls(chip, num_devices // num_slices, num_slices)
+
+    @property
+    def platform(self) -> str:
+        return "tpu" if self.chip in TPU_CHIPS else "cpu" if self.chip == "cpu" else "gpu"
+
+    @property
+    def num_devices(self) -> int:
+        return self.per_slice * self.slices
+
+    def describe(self) -> str:
+        if self.platform == "tpu":
+            many = f", {self.slices} slices" if self.slices > 1 else ""
+            shape = "x".join(map(str, torus(self.chip, self.per_slice)))
+            return f"{self.chip}, {self.per_slice} chips ({shape}){many}"
+        if self.platform == "gpu":
+            if self.slices == 1:
+                return f"{self.chip}, {self.per_slice} GPUs"
+            return f"{self.chip}, {self.slices} hosts x {self.per_slice} GPUs"
+        return f"cpu, {self.num_devices} simulated devices"
+
+    def devices(self) -> list:
+        """The target's devices, in JAX's order (abstract for TPU and GPU)."""
+        return list(_devices(self))
+
+    def compile_options(self) -> dict:
+        """Options for `.compile(compiler_options=...)` on this target."""
+        return dict(GPU_COMPILE_OPTIONS) if self.platform == "gpu" else {}
+
+
+def torus(chip: str, chips: int) -> tuple[int, ...]:
+    """The slice shape of `chips` chips of a TPU generation: powers of two, as even as
+    they go, larger dims last (v5p 8 -> 2x2x2, 64 -> 4x4x4; v6e 8 -> 2x4)."""
+    if chips & (chips - 1):
+        raise ValueError(f"a {chip} slice has a power-of-two chip count, not {chips}")
+    dims, _, _ = TPU_CHIPS[chip]
+    shape = [1] * dims
+    for i in range(int(math.log2(chips))):
+        shape[i % dims] *= 2
+    return tuple(sorted(shape))
+
+
+@functools.cache
+def _devices(target: Target) -> tuple:
+    import jax
+
+    if target.platform == "cpu":
+        have = jax.devices("cpu")
+        if len(have) < target.num_devices:
+            raise TargetUnavailable(
+                f"{target.describe()} needs XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{target.num_devices} set before jax starts; this process has {len(have)}."
+            )
+        return tuple(have[: target.num_devices])
+    from jax.experimental import topologies
+
+    try:
+        if target.platform == "tpu":
+            dims, host, config = TPU_CHIPS[target.chip]
+            shape = torus(target.chip, target.per_slice)
+            dims3 = (*shape, 1, 1)[:3]  # chips per host and wrap are given in 3 dims
+            desc = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=f"{target.chip}:{'x'.join(map(str, shape))}",
+                chip_config_name=config,
+                chips_per_host_bounds=tuple(min(h, s) for h, s in zip(host, dims3, strict=True)),
+                num_slices=target.slices,
+                # v5p slices wrap around in each dim of 4 or more; v5e and v6e only
+                # in a full 16 x 16 pod.
+                wrap=tuple(s >= (4 if dims == 3 else 16) for s in dims3),
+            )
+        else:
+            _cpu_backend_for_gpu_compiles(jax)
+            desc = topologies.get_topology_desc(
+                platform="cuda",
+                topology_name="",
+                topology=f"1x{target.slices}x{target.per_slice}",
+                target_config=gpu_target_config(target.chip),
+            )
+    except Exception as exc:  # the plugin is absent, or refuses the description
+        raise _unavailable(target, exc) from exc
+    return tuple(desc.devices)
+
+
+def _cpu_backend_for_gpu_compiles(jax) -> None:
+    """On a machine without a GPU driver, JAX's CUDA plugin offers its compile-only
+    topology only while JAX's backends are limited to the CPU (seen with jax 0.10.2):
+    limit them, unless the process chose its platforms or has started its backends."""
+    from jax._src import xla_bridge  # backends_are_initialized has no public spelling
+
+    if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _unavailable(target: Target, exc: Exception) -> TargetUnavailable:
+    extra = EXTRA[target.platform]
+    return TargetUnavailable(
+        f"Cannot compile for {target.describe()}: JAX's {target.platform.upper()} compiler "
+        f"plugin is not usable here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
+        f'Install it with pip install "moe-cp[{extra}]" (it pins the plugin to the '
+        f"installed jax), then run again"
+        + (
+            "; for a GPU target on a machine without a GPU driver, start with "
+            "JAX_PLATFORMS=cpu (this process had started its backends first)."
+            if target.platform == "gpu"
+            else "."
+        )
+    )
+
+
+@functools.cache
+def _gpu_facts() -> dict:
+    return json.loads(GPU_FILE.read_text())
+
+
+def gpu_target_config(chip: str) -> str:
+    """XLA's GpuTargetConfigProto for `chip`, in protobuf text form, written from the
+    figures in `targets_data/gpu.json`."""
+    f = _gpu_facts()[chip]
+
+    def rates(name, rows):
+        body = "".join(
+            f"    rate_infos {{ key: {k} value {{ clock_rate_ghz: {clock} "
+            f"units_per_core: {units} ops_per_clock: {ops} }} }}\n"
+            for k, clock, units, ops in rows
+        )
+        return f"  {name} {{\n{body}  }}\n"
+
+    major, minor = f["compute_capability"]
+    bx, by, bz = f["block_dim_limit"]
+    tx, ty, tz = f["thread_dim_limit"]
+    scalars = (
+        "threads_per_block_limit threads_per_warp shared_memory_per_block "
+        "shared_memory_per_core threads_per_core_limit core_count fpus_per_core "
+        "memory_bandwidth l2_cache_size clock_rate_ghz device_memory_size "
+        "shared_memory_per_block_optin registers_per_core_limit registers_per_block_limit "
+        "device_address_bits pcie_bandwidth"
+    ).split()
+    lines = "".join(f"  {k}: {f[k]}\n" for k in scalars)
+    dnn = f["dnn_version"]
+    return (
+        "gpu_device_info {\n"
+        + lines
+        + f"  block_dim_limit_x: {bx}\n  block_dim_limit_y: {by}\n  block_dim_limit_z: {bz}\n"
+        + f"  thread_dim_limit_x: {tx}\n  thread_dim_limit_y: {ty}\n  thread_dim_limit_z: {tz}\n"
+        + f"  cuda_compute_capability {{ major: {major} minor: {minor}"
+        + " feature_extension: ACCELERATED_FEATURES }\n"
+        + rates("scalar_unit_description", f["scalar_rates"])
+        + rates("matrix_unit_description", f["matrix_rates"])
+        + '  device_vendor: "NVIDIA Corporation"\n'
+        + f'  name: "{f["name"]}"\n'
+        + f"  device_interconnect_info {{ active_links: {f['nvlink_active_links']} }}\n"
+        + "}\n"
+        + 'platform_name: "CUDA"\n'
+        + f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n"
+        + f'device_description_str: "{f["name"]}"\n'
+    )
