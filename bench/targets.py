@@ -1,7 +1,7 @@
 """The block compiled for the chips users train on: XLA:TPU (v5p) and XLA:GPU (H100).
 
 Everything here is compiled ahead of time on this CPU machine for abstract devices
-(`layers.targets`; nothing runs on a TPU or GPU) and read from the compiled program:
+(`selector.targets`; nothing runs on a TPU or GPU) and read from the compiled program:
 XLA's per-device memory analysis, the Mosaic kernels in the HLO, and the FLOPs of the
 expert matmuls.
 
@@ -20,7 +20,12 @@ expert matmuls.
    as measured from outside on the same compiler (shared/NOTES.md: jax 0.12.0.1 and
    libtpu 0.0.50.1; MaxText is not run here).
 
+3. With --real: one MoE layer of Qwen3-Next-80B-A3B and of DeepSeek-V3 at their real
+   dimensions (presets), gathered and exchanged, compiled for 64 v5p chips
+   (fsdp=16 x context=4, sequences of 8192): that the Pallas kernels compile there.
+
     python -m bench.targets              # writes bench/results/targets.json and .png
+    python -m bench.targets --real       # adds the real models (minutes each)
     python -m bench.targets --replot
 """
 
@@ -108,8 +113,8 @@ def compile_block(platform, dims, mesh, dispatch, exchange, backend):
 
     import layers
     import selector
-    from layers import targets
     from layers.programs import compile_fwd_bwd
+    from selector import targets
 
     target = targets.Target(HARDWARE[platform], math.prod(mesh.values()))
     cfg = selector.compose(overrides(platform, dims, mesh, dispatch, exchange, backend))
@@ -242,6 +247,68 @@ def maxtext_rows() -> list[dict]:
     return rows
 
 
+REAL_MESH = {"fsdp": 16, "context": 4}  # 64 v5p chips: a 4x4x4 slice
+REAL_COLUMNS = [
+    ("model", "model"),
+    ("exchange", "weights"),
+    ("kernels", "Mosaic kernels"),
+    ("arguments_mib", "args MiB"),
+    ("temp_mib", "temp MiB"),
+    ("compile_s", "compile s"),
+]
+
+
+def real_rows() -> list[dict]:
+    """One MoE layer of each real model (its preset: routing and shared experts too),
+    bfloat16, fwd+bwd, one sequence of 8192 tokens per fsdp shard, on 64 v5p chips."""
+    from flax import nnx
+
+    import layers
+    import selector
+    from layers.programs import compile_fwd_bwd
+    from selector import targets
+
+    target = targets.Target("v5p", 64)
+    mesh = layers.make_mesh(REAL_MESH, target.devices())
+    rows = []
+    for model in ("qwen3_next_80b_a3b", "deepseek_v3"):
+        for exchange in ("gather", "all_to_all"):
+            cfg = selector.compose(
+                [
+                    f"model={model}",
+                    "mesh=v5p_128",
+                    "num_devices=64",
+                    "ici_fsdp_parallelism=16",
+                    "ici_context_parallelism=4",
+                    "per_device_batch_size=0.25",
+                    "max_target_length=8192",
+                    "dispatch=megablox",
+                    f"expert_exchange={exchange}",
+                    "dtype=bfloat16",
+                    "param_dtype=bfloat16",
+                    "hardware.memory_gib=1000000",
+                ]
+            )
+            block = nnx.eval_shape(
+                lambda cfg=cfg: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+            )
+            start = time.perf_counter()
+            program = compile_fwd_bwd(block, 16, 8192)
+            m = program.memory_analysis()
+            rows.append(
+                {
+                    "model": model,
+                    "exchange": exchange,
+                    "kernels": program.as_text().count('custom_call_target="tpu_custom_call"'),
+                    "arguments_mib": m.argument_size_in_bytes / 2**20,
+                    "temp_mib": m.temp_size_in_bytes / 2**20,
+                    "compile_s": round(time.perf_counter() - start),
+                }
+            )
+            print(table(rows[-1:], REAL_COLUMNS).splitlines()[-1], flush=True)
+    return rows
+
+
 def plot(payload: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -277,8 +344,25 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    args = arguments("targets", __doc__, plot)
+    args = arguments(
+        "targets",
+        __doc__,
+        plot,
+        real={
+            "action": "store_true",
+            "help": "only compile the real models' layers for "
+            "64 v5p chips (minutes each) and add them to the JSON",
+        },
+    )
     if args is None:
+        return
+    if args.real:
+        from bench.common import load
+
+        payload = load("targets")
+        payload["real"] = real_rows()
+        print(table(payload["real"], REAL_COLUMNS))
+        print("wrote", *save("targets", payload, plot(payload)))
         return
     payload = {"small": small_rows(), "maxtext": maxtext_rows()}
     print(table(payload["small"], COLUMNS))

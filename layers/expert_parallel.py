@@ -79,42 +79,48 @@ def _slot_group_sizes(ids_B, local_experts: int):
     return jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
 
 
-def _slot_swiglu(x_BM, ids_B, w, local_experts: int, gmm_backend: str, platform: str):
-    """One slot's rows through their experts' SwiGLU. A slot arrives sorted by local
-    expert with its empty rows (id == local_experts) last, so the grouped matmul reads it
-    in place: no sort, no unsort, and the empty rows come out 0."""
+def _slot_swiglu(x_BM, ids_B, w, scale_B, local_experts: int, gmm_backend: str, platform: str):
+    """One slot's rows through their experts' SwiGLU, each row's activation scaled by
+    its routing weight `scale_B` before `wo`. A slot arrives sorted by local expert with
+    its empty rows (id == local_experts) last, so the grouped matmul reads it in place:
+    no sort, no unsort, and the empty rows come out 0."""
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
     gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend, platform=platform)
-    return gmm(swiglu(gate, up), wo, sizes_L, gmm_backend, platform=platform)
+    act = swiglu(gate, up) * scale_B[:, None].astype(gate.dtype)
+    return gmm(act, wo, sizes_L, gmm_backend, platform=platform)
 
 
 def _slot_swiglu_pullback(
-    x_BM, ids_B, dy_BM, w, dw, local_experts: int, gmm_backend: str, platform: str
+    x_BM, ids_B, scale_B, dy_BM, w, dw, local_experts: int, gmm_backend: str, platform: str
 ):
-    """(dx_BM, dw + this slot's weight gradient): the pullback of `_slot_swiglu`, with
-    the weight gradient added to the float32 accumulators `dw`. For `tiled_gmm` it is
-    written out so the weight-gradient kernel adds into `dw` in place (no per-slot
-    gradient buffer and no float32 copy of it); other backends go through jax.vjp."""
+    """(dx_BM, dscale_B, dw + this slot's weight gradient): the pullback of
+    `_slot_swiglu`, with the weight gradient added to the float32 accumulators `dw`. For
+    `tiled_gmm` it is written out so the weight-gradient kernel adds into `dw` in place
+    (no per-slot gradient buffer and no float32 copy of it); other backends go through
+    jax.vjp."""
     if gmm_backend != "tiled_gmm":
 
-        def local(x, w_):
-            return _slot_swiglu(x, ids_B, w_, local_experts, gmm_backend, platform)
+        def local(x, w_, s):
+            return _slot_swiglu(x, ids_B, w_, s, local_experts, gmm_backend, platform)
 
-        _, pullback = jax.vjp(local, x_BM, w)
-        dx_BM, dw_slot = pullback(dy_BM)
-        return dx_BM, tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_slot, strict=True))
+        _, pullback = jax.vjp(local, x_BM, w, scale_B)
+        dx_BM, dw_slot, dscale_B = pullback(dy_BM)
+        dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_slot, strict=True))
+        return dx_BM, dscale_B, dw
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
     gate, up = _gmm_tiled(x_BM, (wi_0, wi_1), sizes_L)
-    act, act_pullback = jax.vjp(swiglu, gate, up)
+    unscaled, act_pullback = jax.vjp(swiglu, gate, up)
+    scale = scale_B[:, None].astype(unscaled.dtype)
+    dwo = _tgmm_tiled(unscaled * scale, dy_BM, sizes_L, into_EKN=dw[2])
     d_act = _gmm_tiled_transposed_sum((dy_BM,), (wo,), sizes_L)
-    dwo = _tgmm_tiled(act, dy_BM, sizes_L, into_EKN=dw[2])
-    d_gate, d_up = act_pullback(d_act)
+    dscale_B = jnp.sum(d_act.astype(jnp.float32) * unscaled, axis=1).astype(scale_B.dtype)
+    d_gate, d_up = act_pullback(d_act * scale)
     dx_BM = _gmm_tiled_transposed_sum((d_gate, d_up), (wi_0, wi_1), sizes_L)
     dwi_0 = _tgmm_tiled(x_BM, d_gate, sizes_L, into_EKN=dw[0])
     dwi_1 = _tgmm_tiled(x_BM, d_up, sizes_L, into_EKN=dw[1])
-    return dx_BM, (dwi_0, dwi_1, dwo)
+    return dx_BM, dscale_B, (dwi_0, dwi_1, dwo)
 
 
 def _routing(group_sizes_E, ex: Exchange, local_experts: int):
@@ -179,6 +185,11 @@ class _Packed:
         got, got_ids = _exchange(packed, self.ex), _exchange(ids, self.ex)
         return got, got_ids, (valid, index)
 
+    def rows(self, rows_RX, r):
+        """(G, B, X): round r's rows of another per-row array, where to_owners puts x."""
+        packed, _, _ = _send(rows_RX, self.starts, self.counts, r, self.b)
+        return _exchange(packed, self.ex)
+
     def back(self, out_RX, results_GBX, r, state):
         valid, index = state
         return _receive_back(out_RX, _exchange(results_GBX, self.ex), valid, index)
@@ -220,6 +231,12 @@ class _Ragged:
         slots = (self.ex.group_size, self.b)
         return got.reshape(*slots, -1), got_ids.reshape(slots), None
 
+    def rows(self, rows_RX, r):
+        n = self.ex.group_size * self.b
+        out = varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
+        got = self._send(rows_RX, out, r, to_owners=True)
+        return got.reshape(self.ex.group_size, self.b, -1)
+
     def back(self, out_RX, results_GBX, r, state):
         results_NX = results_GBX.reshape(-1, results_GBX.shape[-1]).astype(out_RX.dtype)
         return self._send(results_NX, out_RX, r, to_owners=False)
@@ -234,41 +251,44 @@ def _transport(group_sizes_E, ex: Exchange, local_experts: int, buffer_rows: int
     return TRANSPORTS[ex.backend](starts_G, counts_G, ex, buffer_rows), rounds
 
 
-def _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: int):
+def _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex: Exchange, buffer_rows: int):
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
     emb = w[2].shape[2]
     y0 = varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
 
-    def slot(x_ids):
-        return _slot_swiglu(*x_ids, w, local_experts, ex.gmm_backend, ex.platform)
+    def slot(x_ids_scale):
+        x_BM, ids_B, scale_B = x_ids_scale
+        return _slot_swiglu(x_BM, ids_B, w, scale_B, local_experts, ex.gmm_backend, ex.platform)
 
     def one_round(r, y_RM):
         x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
+        scale_GB = move.rows(scale_R[:, None], r)[..., 0]
         # One slot at a time, so the hidden-sized buffers are B rows, not G x B.
-        return move.back(y_RM, lax.map(slot, (x_GBM, ids_GB)), r, state)
+        return move.back(y_RM, lax.map(slot, (x_GBM, ids_GB, scale_GB)), r, state)
 
     return lax.fori_loop(0, rounds, one_round, y0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, ex: Exchange, buffer_rows: int):
-    """SwiGLU of each routed row with its expert, on the device that owns the expert.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, scale_R, ex: Exchange, buffer_rows: int):
+    """SwiGLU of each routed row with its expert, on the device that owns the expert,
+    the activation scaled by the row's routing weight before `wo`.
 
     x_RM: this device's routed rows sorted by global expert id (ids_R, group_sizes_E the
-    rows per global expert); w = (wi_0, wi_1, wo) of this device's L experts.
-    Returns y_RM in the same row order.
+    rows per global expert); w = (wi_0, wi_1, wo) of this device's L experts; scale_R
+    each row's routing weight. Returns y_RM (already weighted) in the same row order.
     """
-    return _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows)
+    return _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
 
 
-def _fwd(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows):
-    y = _forward_rounds(x_RM, ids_R, group_sizes_E, w, ex, buffer_rows)
-    return y, (x_RM, ids_R, group_sizes_E, w)
+def _fwd(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
+    y = _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
+    return y, (x_RM, ids_R, group_sizes_E, w, scale_R)
 
 
 def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
-    x_RM, ids_R, group_sizes_E, w = res
+    x_RM, ids_R, group_sizes_E, w, scale_R = res
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
     # Rows and weights are made to vary over each other's mesh axes before the slots'
@@ -277,30 +297,48 @@ def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
     # summed once, at the end, instead of once per slot.
     w_v = tuple(varying_like(a, x_RM) for a in w)
     dx0 = varying_like(jnp.zeros_like(x_RM), *w)
+    dscale0 = varying_like(jnp.zeros((x_RM.shape[0], 1), scale_R.dtype), *w, x_RM)
     dw0 = tuple(varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w_v)
     dy_RM = varying_like(dy_RM.astype(x_RM.dtype), *w)
 
     def one_round(r, carry):
-        dx_RM, dw = carry
+        dx_RM, dscale_R1, dw = carry
         # Rows and their cotangents travel as two exchanges of the same slots (a
         # concatenation would hold another copy of both).
         x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
         dy_GBM, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
+        scale_GB = varying_like(move.rows(scale_R[:, None], r)[..., 0], *w)
         x_GBM = varying_like(x_GBM, *w)
 
         def one_slot(g, slot_carry):
-            dx_GBM, dw = slot_carry
-            dx_BM, dw = _slot_swiglu_pullback(
-                x_GBM[g], ids_GB[g], dy_GBM[g], w_v, dw, local_experts, ex.gmm_backend, ex.platform
+            # Each slot's input gradient replaces its rows in x_GBM (they are read only
+            # by this slot), so no third receive-sized buffer is held.
+            dx_GBM, dscale_GB, dw = slot_carry
+            dx_BM, dscale_B, dw = _slot_swiglu_pullback(
+                dx_GBM[g],
+                ids_GB[g],
+                scale_GB[g],
+                dy_GBM[g],
+                w_v,
+                dw,
+                local_experts,
+                ex.gmm_backend,
+                ex.platform,
             )
-            return lax.dynamic_update_index_in_dim(dx_GBM, dx_BM, g, 0), dw
+            dx_GBM = lax.dynamic_update_index_in_dim(dx_GBM, dx_BM.astype(dx_GBM.dtype), g, 0)
+            dscale_GB = lax.dynamic_update_index_in_dim(dscale_GB, dscale_B, g, 0)
+            return dx_GBM, dscale_GB, dw
 
-        dx_GBM, dw = lax.fori_loop(0, ex.group_size, one_slot, (jnp.zeros_like(x_GBM), dw))
-        return move.back(dx_RM, dx_GBM, r, state), dw
+        dx_GBM, dscale_GB, dw = lax.fori_loop(
+            0, ex.group_size, one_slot, (x_GBM, jnp.zeros_like(scale_GB), dw)
+        )
+        dx_RM = move.back(dx_RM, dx_GBM, r, state)
+        return dx_RM, move.back(dscale_R1, dscale_GB[..., None], r, state), dw
 
-    dx_RM, dw = lax.fori_loop(0, rounds, one_round, (dx0, dw0))
+    dx_RM, dscale_R1, dw = lax.fori_loop(0, rounds, one_round, (dx0, dscale0, dw0))
     dw = tuple(reduce_like(g.astype(a.dtype), a) for g, a in zip(dw, w, strict=True))
-    return reduce_like(dx_RM, x_RM), None, None, dw
+    dscale_R = reduce_like(dscale_R1[:, 0], scale_R)
+    return reduce_like(dx_RM, x_RM), None, None, dw, dscale_R
 
 
 exchange_swiglu.defvjp(_fwd, _bwd)

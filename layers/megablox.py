@@ -31,20 +31,30 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         x_RM = jnp.take(x_TM.astype(dt), order_R // spec.top_k, axis=0)
     with jax.named_scope("expert_compute"):
         experts = (w.wi_0_EMH.astype(dt), w.wi_1_EMH.astype(dt), w.wo_EHM.astype(dt))
+        # The routing weight scales each row's activation before `wo` (the same
+        # product), so the combine is a plain sum and its backward keeps no (rows x emb)
+        # copy of the expert outputs: the weight's gradient reads the (rows x hidden)
+        # activation the grouped matmul keeps anyway.
+        weights_R = jnp.take(weights_TK.reshape(-1), order_R).astype(dt)
         if spec.exchange is not None:  # rows travel to their experts' owners and back
             ex = spec.exchange
             sorted_ids_R = jnp.take(ids_R, order_R)
             buffer = ex.buffer_rows(x_RM.shape[0])
-            y_RM = exchange_swiglu(x_RM, sorted_ids_R, group_sizes_E, experts, ex, buffer)
+            y_RM = exchange_swiglu(
+                x_RM, sorted_ids_R, group_sizes_E, experts, weights_R, ex, buffer
+            )
             rounds = rounds_needed(group_sizes_E, ex, experts[0].shape[0], buffer)
         else:
             kernel = dict(backend=spec.gmm_backend, platform=spec.platform)
             gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, **kernel)
-            y_RM = gmm(swiglu(gate_RH, up_RH), experts[2], group_sizes_E, **kernel)
+            act_RH = swiglu(gate_RH, up_RH) * weights_R[:, None]
+            y_RM = gmm(act_RH, experts[2], group_sizes_E, **kernel)
     with jax.named_scope("unpermute_combine"):
-        inverse_R = jnp.argsort(order_R)
-        y_TKM = jnp.take(y_RM, inverse_R, axis=0).reshape(batch * seq, spec.top_k, emb)
-        y_TM = jnp.einsum("tkm,tk->tm", y_TKM, weights_TK.astype(dt))
+        # The rows are already weighted: each token sums its k rows, added straight from
+        # sorted order (its backward reads the token's gradient for each row), so no
+        # (tokens, k, emb) copy of the rows is made either way.
+        token_R = order_R // spec.top_k
+        y_TM = jnp.zeros((batch * seq, emb), dt).at[token_R].add(y_RM)
     sums = partial_stats(probs_TE, ids_TK, 0)
     if spec.exchange is not None:
         sums[GLOBAL_PREFIX + "exchange_rounds"] = rounds.astype(jnp.float32)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import rules
+from . import rules, targets
 from .config import Config, Dispatch, Exchange
 from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
@@ -50,6 +50,7 @@ class DispatchPlan:
     gmm_backend: str
     placement: WeightPlacement  # where expert weights rest and how they meet the tokens
     exchange_backend: str  # the collective moving routed rows when they are exchanged
+    target: str = ""  # the chips the plan is for, as selector.targets compiles for them
 
     @property
     def expert_weights(self) -> str:
@@ -92,6 +93,7 @@ class DispatchPlan:
             "cp": self.cp,
             "gmm_backend": self.gmm_backend,
             "exchange_backend": self.exchange_backend,
+            "target": self.target,
             "expert_weights": self.expert_weights,
             "placement": self.placement.as_dict(),
             "mesh": self.mesh.as_dict(),
@@ -201,5 +203,6 @@ def _analyse(
         gmm_backend=gmm_backend(cfg),
         placement=placements[(strategy, exchange)],
         exchange_backend=exchange_backend(cfg),
+        target=targets.describe(cfg.hardware.name, mesh.num_devices, cfg.num_slices),
     )
     return plan, findings

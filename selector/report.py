@@ -82,6 +82,11 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
                 else ""
             ),
             _wrap(f"why: {plan.reason}", "  "),
+            *(
+                [f"  compiles for: {plan.target} (selector.targets; python -m bench.targets)"]
+                if plan.target
+                else []
+            ),
             _wrap(f"expert weights: {plan.expert_weights}", "  "),
         ]
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]

@@ -45,7 +45,7 @@ def test_package_data_files_are_declared():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]
     for package, path in (
-        ("layers", "targets_data/gpu.json"),
+        ("selector", "targets_data/gpu.json"),
         ("selector", "memory_calibration.json"),
     ):
         assert (ROOT / package / path).is_file(), path

@@ -14,8 +14,8 @@ from hlo import collectives, dot_flops
 
 import layers
 import selector
-from layers import targets
 from layers.programs import compile_forward, compile_fwd_bwd
+from selector import targets
 
 EMB, HIDDEN, EXPERTS, TOP_K = 128, 384, 8, 2
 TARGETS = {"tpu": targets.Target("v5p", 8), "gpu": targets.Target("h100", 8)}
@@ -56,9 +56,15 @@ def cases():
                         backends = backends[:1]  # every backend is compiled for training
                     for backend in backends:
                         out.append((platform, mode, dispatch, exchange, backend, "bfloat16"))
-        # float32 training: the grouped matmul's dtype path, gathered and exchanged
-        for exchange in ("gather", "all_to_all"):
-            out.append((platform, "train", "megablox", exchange, BACKENDS[platform][0], "float32"))
+        # float32 training: every dispatch, the grouped matmul gathered and exchanged
+        for dispatch, exchange in (
+            ("megablox", "gather"),
+            ("megablox", "all_to_all"),
+            ("dense", "gather"),
+            ("subgroup_capacity", "gather"),
+        ):
+            backend = BACKENDS[platform][0] if dispatch == "megablox" else "auto"
+            out.append((platform, "train", dispatch, exchange, backend, "float32"))
     return out
 
 
@@ -182,6 +188,8 @@ def test_target_descriptions():
     assert targets.Target("v5p", 64).describe() == "v5p, 64 chips (4x4x4)"
     assert targets.torus("v6e", 8) == (2, 4)
     assert targets.Target.from_hardware("h200", 16).describe() == "h200, 2 hosts x 8 GPUs"
+    assert targets.describe("v5p", 8, 0) == ""  # no slices: no target, and no crash
+    assert targets.describe("tpu-v9", 8) == ""
     with pytest.raises(ValueError, match="unknown chip"):
         targets.Target("v9", 8)
     assert "h100" in targets.gpu_chips() and "h200" in targets.gpu_chips()

@@ -9,14 +9,16 @@ has neither. Nothing runs on them; `jax.jit(f).lower(...).compile()` is what the
   (`targets_data/gpu.json`, figures from XLA's public target configs, named there).
 - CPU: the simulated host devices (`--xla_force_host_platform_device_count`).
 
-    >>> from layers import targets
+    >>> from selector import targets
     >>> t = targets.Target("v5p", 8)
     >>> t.platform, t.describe()
     ('tpu', 'v5p, 8 chips (2x2x2)')
     >>> targets.Target.from_hardware("h200", num_devices=16, num_slices=2).describe()
     'h200, 2 hosts x 8 GPUs'
 
-Compile GPU programs with `compile_options(target)`: autotuning needs a real GPU.
+Compile GPU programs with `target.compile_options()`: autotuning needs a real GPU.
+JAX is imported only when devices are asked for, so the selector's core, which names
+the target of a plan, stays free of it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +71,8 @@ class Target:
     def from_hardware(cls, chip: str, num_devices: int, num_slices: int = 1) -> Target:
         """The target a selector config describes (`hardware.name`, `num_devices`,
         `num_slices`); GPU hosts hold 8 GPUs, and slices of GPUs are their hosts."""
+        if num_devices < 1 or num_slices < 1:
+            raise ValueError(f"{num_devices} devices in {num_slices} slices describe no target")
         if chip in gpu_chips() and num_slices == 1 and num_devices > GPU_PER_HOST:
             num_slices = num_devices // GPU_PER_HOST
         if num_devices % num_slices:
@@ -102,6 +107,15 @@ class Target:
         return dict(GPU_COMPILE_OPTIONS) if self.platform == "gpu" else {}
 
 
+def describe(chip: str, num_devices: int, num_slices: int = 1) -> str:
+    """The compile target a config describes, in words ("" when `chip` is not one this
+    module compiles for, or the devices make no slice of it)."""
+    try:
+        return Target.from_hardware(chip, num_devices, num_slices).describe()
+    except ValueError:
+        return ""
+
+
 def torus(chip: str, chips: int) -> tuple[int, ...]:
     """The slice shape of `chips` chips of a TPU generation: powers of two, as even as
     they go, larger dims last (v5p 8 -> 2x2x2, 64 -> 4x4x4; v6e 8 -> 2x4)."""
@@ -130,6 +144,9 @@ def _devices(target: Target) -> tuple:
 
     try:
         if target.platform == "tpu":
+            # libtpu takes a machine-wide lock meant for a real TPU; compile-only
+            # topologies need none, and two compiling processes would refuse each other.
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
             dims, host, config = TPU_CHIPS[target.chip]
             shape = torus(target.chip, target.per_slice)
             dims3 = (*shape, 1, 1)[:3]  # chips per host and wrap are given in 3 dims
