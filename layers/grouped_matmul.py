@@ -221,8 +221,8 @@ def _tiled_fwd(x_RK, ws_EKN, group_sizes_E):
 def _tiled_bwd(res, dys_RN):
     x_RK, ws_EKN, group_sizes_E = res
     dx_RK = _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E)
-    dws = tuple(
-        reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E), w)
+    dws = tuple(  # in the weights' dtype, as JAX's megablox returns it
+        reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E).astype(w.dtype), w)
         for dy, w in zip(dys_RN, ws_EKN, strict=True)
     )
     return reduce_like(dx_RK, x_RK), dws, None

@@ -101,6 +101,8 @@ def load_maxtext(block, tree: dict, layout: str | None = None) -> None:
             f"MaxText tree has parameters the {layout} block does not hold: "
             f"{['/'.join(p) for p in unused]}"
         )
+    # Every leaf is checked before any is written: a refused tree leaves the block as it was.
+    writes = []
     for path, name in wanted.items():
         target = getattr(current, name)
         if target is None:
@@ -113,7 +115,9 @@ def load_maxtext(block, tree: dict, layout: str | None = None) -> None:
                 f"{'/'.join(path)}: {value.dtype}{tuple(value.shape)} does not fit the block's "
                 f"{target.dtype}{tuple(target.shape)} ({name})"
             )
-        block.variables()[name][...] = jax.device_put(value, target.sharding)
+        writes.append((name, value, target.sharding))
+    for name, value, sharding in writes:
+        block.variables()[name][...] = jax.device_put(value, sharding)
 
 
 __all__ = ["LAYOUTS", "ExpertWeights", "layout_for", "load_maxtext", "paths", "to_maxtext"]

@@ -28,14 +28,16 @@ from .spec import MoESpec
 
 
 def _mlp_local(x_BSM, w: ExpertWeights, spec: MoESpec):
-    """One expert: a plain SwiGLU MLP; the router is trivially 1 for expert 0."""
+    """One expert: a plain SwiGLU MLP times the router's weight for expert 0 (1 after a
+    softmax; the routed scaling factor still applies)."""
     batch, seq, emb = x_BSM.shape
     x_TM = x_BSM.reshape(-1, emb)
-    _, ids_TK, probs_TE = route(x_TM, w, spec)
+    weights_TK, ids_TK, probs_TE = route(x_TM, w, spec)
     dt = spec.compute_dtype
     y_TM = dense_ffn(
         x_TM.astype(dt), w.wi_0_EMH[0].astype(dt), w.wi_1_EMH[0].astype(dt), w.wo_EHM[0].astype(dt)
     )
+    y_TM = y_TM * weights_TK[:, :1].astype(dt)
     return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)
 
 

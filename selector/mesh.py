@@ -90,7 +90,7 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
         findings.append(
             error(
                 "MESH_FILL_AMBIGUOUS",
-                fill[0],
+                f"{tier}_{fill[0]}_parallelism",
                 f"{names} are all -1; at most one {tier} axis may fill the remaining "
                 "devices. Give the others explicit sizes.",
             )

@@ -134,3 +134,15 @@ def test_pallas_megablox_pads_rows_to_its_tile(sizes):
     want = jax.grad(loss("tiled_gmm"), argnums=(0, 1))(x, w)
     assert_close(got[0], want[0], what="pallas dx")
     assert_close(got[1], want[1], what="pallas dw")
+
+
+@pytest.mark.parametrize("backend", ["tiled_gmm", "pallas_megablox"])
+def test_weight_gradient_comes_back_in_the_weights_dtype(backend):
+    """float32 rows against bfloat16 weights: the weight gradient is bfloat16, as JAX's
+    megablox returns it, on every backend."""
+    sizes = [100, 0, 28]
+    x = jax.random.normal(jax.random.key(0), (sum(sizes), 128))
+    w = jax.random.normal(jax.random.key(1), (3, 128, 128)).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    dw = jax.grad(lambda w: jnp.sum(gmm(x, w, gs, backend).astype(jnp.float32)))(w)
+    assert dw.dtype == jnp.bfloat16

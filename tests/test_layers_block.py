@@ -100,3 +100,20 @@ def test_one_expert_is_a_plain_mlp(jax_cpu8):
     y, stats = model(x)
     np.testing.assert_allclose(y, mlp(x), rtol=1e-5, atol=1e-6)
     assert float(stats["load_balance_loss"]) == pytest.approx(1.0)
+
+
+def test_one_expert_applies_the_routing_scale(jax_cpu8):
+    """One expert still carries MaxText's routed_scaling_factor: the MLP's output times
+    the router's weight for it (1 after softmax, times the scale)."""
+    overrides = ["model=tiny", "mesh=cpu_8", "num_experts=1", "num_experts_per_tok=1"]
+    overrides += ["max_target_length=16"]
+    plain = layers.MoEBlock(
+        selector.compose(overrides), mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0)
+    )
+    scaled = layers.MoEBlock(
+        selector.compose([*overrides, "routed_scaling_factor=2.5"]),
+        mesh=layers.make_mesh({"fsdp": 8}),
+        rngs=nnx.Rngs(0),
+    )
+    x = jax.random.normal(jax.random.key(3), (8, 16, 64))
+    np.testing.assert_allclose(scaled(x)[0], 2.5 * plain(x)[0], rtol=1e-5, atol=1e-6)

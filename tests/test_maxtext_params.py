@@ -124,3 +124,15 @@ def test_a_wrong_tree_is_refused(jax_cpu8):
         load_maxtext(model, tree)
     with pytest.raises(ValueError, match="does not hold"):
         load_maxtext(model, {**to_maxtext(model), "extra": {"kernel": jnp.zeros(1)}})
+
+
+def test_a_refused_tree_leaves_the_block_unchanged(jax_cpu8):
+    """wi_0 fits and comes before the misfit wo: nothing is written, wi_0 included."""
+    model = build("megablox", {"data": 2, "context": 4}, 8, 32, *MODULES["qwen3_next"][1])
+    before = jax.tree.map(np.asarray, to_maxtext(model))
+    tree = jax.tree.map(lambda a: np.full(a.shape, 7, a.dtype), before)
+    tree["routed_experts"]["wo"] = jnp.zeros((3, 3, 3), model.param_dtype)
+    with pytest.raises(ValueError, match="routed_experts/wo"):
+        load_maxtext(model, tree)
+    for path, value in leaves(before):
+        assert np.array_equal(np.asarray(dict(leaves(to_maxtext(model)))[path]), value), path

@@ -364,3 +364,13 @@ def test_hidden_axis_cannot_also_split_the_tokens():
         "per_device_batch_size=0.5",
     )
     assert "AXIS_RULE_CONFLICT" not in codes(selector.validate(ok))
+
+
+def test_mesh_fill_ambiguous_names_the_knob():
+    """The setting a user changes is the knob, not the bare axis name."""
+    (f,) = [
+        f
+        for f in selector.validate(typed("ici_data_parallelism=-1"))
+        if f.code == "MESH_FILL_AMBIGUOUS"
+    ]
+    assert f.setting.endswith("_parallelism") and f.setting.startswith("ici_"), f.setting
