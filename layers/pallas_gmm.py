@@ -13,9 +13,10 @@ source); we keep the check for everything but the kernel call.
 
 Rows are padded to the kernel's 128-row tile (MaxText 0.2.5's source pads them the same
 way): the padding lies past every group, so it is neither computed into nor read back.
-Interpret mode (the kernel run by XLA, slowly) is for meshes that are not TPUs, as
-MaxText decides it: from the mesh's devices, not the local backend, so a program
-compiled ahead of time for a TPU topology on a CPU machine gets the native kernel.
+Interpret mode (the kernel run by XLA, slowly) is for meshes that are not TPUs, decided
+from the mesh's devices, not the local backend, as MaxText 0.2.5's layers/moe.py decides
+it (read in its source), so a program compiled ahead of time for a TPU topology on a CPU
+machine gets the native kernel.
 
 Legend: R rows, K contraction, N output, E experts.
 """
