@@ -6,10 +6,11 @@ import dataclasses
 from typing import Any
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
-from .findings import ConfigError, Finding, errors_in, warning
+from .findings import ConfigError, Finding, error, errors_in, warning
 from .plan import DispatchPlan, analyse
 
 
@@ -58,8 +59,26 @@ def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
 
 
 def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
-    """Every finding for `cfg` on `mesh`; never raises for a bad config."""
-    return analyse_any(cfg, mesh)[1]
+    """Every finding for `cfg` on `mesh`; never raises for a bad config: a key nothing
+    reads (UNKNOWN_SETTING), a value of the wrong type (VALUE_TYPE_INVALID) or something
+    that is no config at all (CONFIG_NOT_A_MAPPING) is a finding like any other."""
+    try:
+        return analyse_any(cfg, mesh)[1]
+    except ConfigError as exc:
+        return list(exc.findings)
+    except OmegaConfBaseException as exc:  # OmegaConf refused a value for its type
+        key = str(getattr(exc, "full_key", "") or "config")
+        reason = str(exc).splitlines()[0][:200]
+        return [
+            error(
+                "VALUE_TYPE_INVALID",
+                key,
+                f"{key} cannot take the value given: {reason}. Give a value of the "
+                "setting's type (`python -m selector --cfg job` shows every key's default).",
+            )
+        ]
+    except TypeError as exc:  # not a Config, DictConfig or mapping
+        return [error("CONFIG_NOT_A_MAPPING", "config", f"{exc}. Pass a mapping of settings.")]
 
 
 def _moe_dispatch(path: str = "", *, _root_) -> str:

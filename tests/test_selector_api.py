@@ -280,3 +280,18 @@ def test_selector_core_never_imports_jax():
         cwd=Path(__file__).parent,
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "cfg, code, setting",
+    [
+        ({"num_experts": "abc"}, "VALUE_TYPE_INVALID", "num_experts"),
+        ({"num_expertz": 3}, "UNKNOWN_SETTING", "num_expertz"),
+        (42, "CONFIG_NOT_A_MAPPING", "config"),
+    ],
+)
+def test_validate_never_raises(cfg, code, setting):
+    """The README's promise: a bad config is findings, not an exception."""
+    found = selector.validate(cfg)
+    assert [(f.code, f.setting) for f in found] == [(code, setting)]
+    assert found[0].severity.value == "error" and len(found[0].message) > 40
