@@ -157,9 +157,38 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
             raise unknown_setting(str(key))
     # Read only our keys: resolving the whole node would also resolve a
     # `${moe_dispatch:}` that sits in it and asks for this very conversion.
-    known = {k: cfg[k] for k in cfg.keys() if k in _FIELDS}
-    merged = OmegaConf.merge(OmegaConf.structured(Config), known)
+    # A group named by a string picks a preset (`hardware` is also the nested settings
+    # node, a mapping, in a composed config).
+    presets = {
+        k: cfg[k]
+        for k in cfg.keys()
+        if k in GROUPS and not (k in _FIELDS and isinstance(cfg[k], (Mapping, DictConfig)))
+    }
+    known = {k: cfg[k] for k in cfg.keys() if k in _FIELDS and k not in presets}
+    merged = OmegaConf.merge(_preset_base(presets), known)
     return OmegaConf.to_object(merged)
+
+
+def _preset_base(presets: Mapping[str, Any]):
+    """The schema's defaults, or, when the mapping names presets (`model`, `mesh`,
+    `hardware`), the config the command line composes from them: a preset named in a
+    mapping means what it means on the command line."""
+    if not presets:
+        return OmegaConf.structured(Config)
+    for group, name in presets.items():
+        if not isinstance(name, str) or not (conf_dir() / group / f"{name}.yaml").is_file():
+            options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+            raise ConfigError(
+                [
+                    error(
+                        "PRESET_UNKNOWN",
+                        group,
+                        f"{group}={name!r} names no preset. Available {group} presets: "
+                        f"{', '.join(options)}.",
+                    )
+                ]
+            )
+    return compose([f"{group}={name}" for group, name in presets.items()])
 
 
 def live_mesh_shape(mesh: Any) -> Mapping[str, int] | None:

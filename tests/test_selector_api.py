@@ -295,3 +295,15 @@ def test_validate_never_raises(cfg, code, setting):
     found = selector.validate(cfg)
     assert [(f.code, f.setting) for f in found] == [(code, setting)]
     assert found[0].severity.value == "error" and len(found[0].message) > 40
+
+
+def test_to_config_reads_the_presets_a_mapping_names():
+    """`model=` in a mapping means what it means on the command line, and a setting
+    beside it still wins."""
+    assert selector.to_config({"model": "deepseek_v3"}) == selector.to_config(
+        selector.compose(["model=deepseek_v3"])
+    )
+    beside = selector.to_config({"model": "deepseek_v3", "num_experts": 64})
+    assert (beside.model_name, beside.num_experts) == ("deepseek_v3", 64)
+    (f,) = selector.validate({"model": "deepseek_v4"})
+    assert f.code == "PRESET_UNKNOWN" and "deepseek_v3" in f.message
