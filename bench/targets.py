@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 
 import numpy as np
@@ -135,20 +134,14 @@ def routed_group_sizes(tokens: int, experts: int, top_k: int, seed: int = 0) -> 
 
 
 def tiled_rows_run(group_sizes: np.ndarray, tiles: tuple[int, ...]) -> int:
-    """Rows tiled_gmm computes for these groups: each group's full tiles, largest class
-    first, the smaller classes at most once, then one masked tail tile (the kernel's
-    schedule, layers.grouped_matmul._tile_plan)."""
-    total = 0
-    for size in group_sizes:
-        left = int(size)
-        total += left // tiles[0] * tiles[0]
-        left %= tiles[0]
-        for tile in tiles[1:]:
-            if left >= tile:
-                total += tile
-                left -= tile
-        total += tiles[-1] if left else 0
-    return total
+    """Rows tiled_gmm computes for these groups: its own schedule (full tiles, largest
+    class first, then one masked tail tile per group that has one)."""
+    from layers.grouped_matmul import _tile_plan
+
+    full, (tail, tail_E, _), _ = _tile_plan(np.asarray(group_sizes, np.int32), tiles)
+    return int(
+        sum(tile * int(count_E.sum()) for tile, count_E, _ in full) + tail * int(tail_E.sum())
+    )
 
 
 def expert_flops(platform, block, program, dims) -> tuple[float, float]:
@@ -172,28 +165,9 @@ def expert_flops(platform, block, program, dims) -> tuple[float, float]:
         tiles = tile_classes(rows)
         sizes = routed_group_sizes(tokens, dims["experts"], dims["top_k"])
         # Loop bodies appear once in the HLO: count their work from the schedule instead.
-        static -= _loop_dot_flops(text)
+        static -= dot_flops(text, "expert_compute/while")
         static += 2 * tiled_rows_run(sizes, tiles) * m * h * 3 * 3
     return static, routed
-
-
-def _loop_dot_flops(text: str) -> float:
-    import sys
-
-    sys.path.insert(0, "tests")
-    from hlo import value_shapes
-
-    shapes = value_shapes(text)
-    total = 0.0
-    for line in text.splitlines():
-        if " dot(" not in line or "expert_compute/while" not in line:
-            continue
-        name = re.match(r"\s*(ROOT\s+)?%([\w.\-]+)", line).group(2)
-        lhs = re.search(r"\bdot\(%([\w.\-]+),", line).group(1)
-        contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
-        k = math.prod(shapes[lhs][int(d)] for d in contract.split(",") if d)
-        total += 2 * math.prod(shapes[name]) * k
-    return total
 
 
 def small_rows() -> list[dict]:

@@ -223,15 +223,14 @@ class _Ragged:
 
     def to_owners(self, rows_RX, ids_R, r, local_experts):
         n = self.ex.group_size * self.b
-        out = varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
-        got = self._send(rows_RX, out, r, to_owners=True)
         empty = varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
         got_ids = self._send(ids_R[:, None].astype(jnp.int32), empty, r, to_owners=True)[:, 0]
         got_ids = jnp.where(got_ids < 0, local_experts, got_ids % local_experts)
         slots = (self.ex.group_size, self.b)
-        return got.reshape(*slots, -1), got_ids.reshape(slots), None
+        return self.rows(rows_RX, r), got_ids.reshape(slots), None
 
     def rows(self, rows_RX, r):
+        """(G, B, X): round r's rows of a per-row array, slot g from member g."""
         n = self.ex.group_size * self.b
         out = varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
         got = self._send(rows_RX, out, r, to_owners=True)
