@@ -1,5 +1,7 @@
 """One benchmark point: build a block (abstractly, so the real models' sizes need no
-memory), compile its fwd+bwd, and set XLA's memory figures beside the selector's."""
+memory), compile it for the point's chips (XLA:CPU on simulated devices, or XLA:TPU /
+XLA:GPU ahead of time: `layers.compiled`), and set XLA's memory figures and cost
+analysis beside the selector's."""
 
 from __future__ import annotations
 
@@ -7,11 +9,10 @@ import math
 from dataclasses import dataclass, field
 
 import jax
-from flax import nnx
 
-import layers
 import selector
-from layers.programs import compile_fwd_bwd
+from layers.compiled import compile_plan, read, target_of
+from selector.api import analyse_any
 from selector.cost import calibration_key, memory_parts, problem_shape
 
 
@@ -30,22 +31,26 @@ class Point:
     capacity_factor: float = 1.25
     model: str = "tiny"  # preset the dims override
     extra: tuple = field(default_factory=tuple)
+    hardware: str = "cpu"  # hardware preset: the compiler (cpu, v5p, h100, ...)
+    mode: str = "train"  # train (fwd+bwd), prefill or decode (forward)
+    sequences: int = 1  # sequences per batch shard (decode batches many)
 
     @property
     def devices(self) -> int:
         return math.prod(self.mesh.values())
 
     def batch(self) -> int:
-        """One sequence per batch shard: the global batch that avoids inflation."""
+        """`sequences` per batch shard (one avoids inflation)."""
         shards = math.prod(self.mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
-        return shards
+        return shards * self.sequences
 
     def overrides(self) -> list[str]:
         cf = self.capacity_factor if self.strategy == "subgroup_capacity" else -1
         return [
             f"model={self.model}",
             "mesh=cpu_8",
-            "hardware=cpu",
+            f"hardware={self.hardware}",
+            f"mode={self.mode}",
             f"dispatch={self.strategy}",
             f"expert_exchange={self.exchange}",
             f"capacity_factor={cf}",
@@ -59,23 +64,39 @@ class Point:
             f"param_dtype={self.param_dtype}",
             "context_parallel_load_balance=false",
             "hardware.memory_gib=1000000",
+            # Decode batches many sequences a shard on purpose.
+            f"allow_local_batch_inflation={str(self.sequences > 1).lower()}",
             *self.extra,
         ]
 
     def label(self) -> str:
         mesh = ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "1 device"
         name = self.strategy + ("/all_to_all" if self.exchange == "all_to_all" else "")
-        return (
-            f"{name} [{mesh}] seq={self.seq} M={self.emb} H={self.hidden} E={self.experts} "
-            f"k={self.top_k} {self.dtype}/{self.param_dtype}"
+        where = (
+            ""
+            if (self.hardware, self.mode) == ("cpu", "train")
+            else f"{self.hardware} {self.mode} "
         )
+        batch = f" x{self.sequences}" if self.sequences > 1 else ""
+        return (
+            f"{where}{name} [{mesh}] seq={self.seq}{batch} M={self.emb} H={self.hidden} "
+            f"E={self.experts} k={self.top_k} {self.dtype}/{self.param_dtype}"
+        )
+
+
+def planned(point: Point):
+    """(typed config, plan) for the point on its mesh, errors allowed."""
+    cfg = selector.to_config(selector.compose(point.overrides()))
+    plan, findings = analyse_any(cfg, point.mesh)
+    if plan is None:
+        raise selector.ConfigError(findings)
+    return cfg, plan
 
 
 def predicted(point: Point) -> dict:
     """The selector's numbers for the point, from its config and mesh shape alone (no
-    jax): arguments, outputs, temp and the hand counts behind temp."""
-    cfg = selector.to_config(selector.compose(point.overrides()))
-    plan = selector.resolve(cfg, point.mesh)
+    jax): arguments, outputs, temp, FLOPs and HBM bytes, and the hand counts behind temp."""
+    cfg, plan = planned(point)
     est = plan.chosen_estimate
     shape = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
     return {
@@ -85,23 +106,29 @@ def predicted(point: Point) -> dict:
         "predicted_arguments": est.memory.arguments,
         "predicted_outputs": est.memory.outputs,
         "predicted_temp": est.memory.temp,
+        "predicted_flops": est.flops,
+        "predicted_hbm": est.traffic.hbm,
         "parts": memory_parts(plan.strategy, plan.placement.exchange, shape),
     }
 
 
 def measure(point: Point) -> dict:
-    """Compile the point's fwd+bwd and return XLA's bytes next to the selector's."""
-    mesh = layers.make_mesh(point.mesh)
-    cfg = selector.compose(point.overrides())
-    block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-    m = compile_fwd_bwd(block, point.batch(), point.seq).memory_analysis()
+    """Compile the point for its chips and return XLA's numbers next to the selector's."""
+    cfg, plan = planned(point)
+    program, target, seconds = compile_plan(cfg, plan, target_of(cfg, point.devices))
+    compiled = read(program, plan.chosen_estimate.name, target, seconds)
     return {
         "point": point.label(),
         "strategy": point.strategy,
         "exchange": point.exchange,
-        "arguments": m.argument_size_in_bytes,
-        "outputs": m.output_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
+        "hardware": point.hardware,
+        "mode": point.mode,
+        "arguments": compiled.arguments,
+        "outputs": compiled.outputs,
+        "temp": compiled.temp,
+        "flops": compiled.flops,
+        "bytes_accessed": compiled.bytes_accessed,
+        "compile_s": compiled.seconds,
         **predicted(point),
     }
 

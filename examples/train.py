@@ -192,22 +192,41 @@ def write_outputs(out: Path, config: Config, settings, plan, history, floor: flo
         "steps": history,
     }
     paths = [out / "run.json"]
-    paths[0].write_text(json.dumps(payload, indent=1, default=str))
-    if settings.plot:
+    paths[0].write_text(json.dumps(payload, indent=1, default=str))  # the record first
+    if not settings.plot:
+        return paths
+    try:
         import matplotlib
+    except ImportError:
+        print(
+            "skipped loss.png: matplotlib is not installed (pip install matplotlib); "
+            f"the run's record is in {paths[0]}",
+            file=sys.stderr,
+        )
+        return paths
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        steps = range(1, len(history) + 1)
-        ax.plot(steps, [h["loss"] for h in history], "o-", label="cross-entropy")
-        ax.plot(steps, [h["load_balance_loss"] for h in history], "s--", label="load-balance loss")
-        ax.axhline(floor, color="gray", ls=":", label=f"loss floor {floor:.3f}")
-        ax.set(xlabel="step", ylabel="nats", title=f"{config.model_name}, cp={plan.cp}")
-        ax.legend()
-        fig.savefig(out / "loss.png", dpi=110, bbox_inches="tight")
-        paths.append(out / "loss.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    steps = range(1, len(history) + 1)
+    (ce,) = ax.plot(steps, [h["loss"] for h in history], "o-", label="cross-entropy (nats)")
+    floor_line = ax.axhline(floor, color="gray", ls=":", label=f"loss floor {floor:.3f} nats")
+    ax.set(xlabel="step", ylabel="cross-entropy, nats", title=f"{config.model_name}, cp={plan.cp}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # The balance loss is a different quantity (about 1 when balanced): its own axis.
+    right = ax.twinx()
+    (lb,) = right.plot(
+        steps,
+        [h["load_balance_loss"] for h in history],
+        "s--",
+        color="tab:orange",
+        label="load-balance loss (right)",
+    )
+    right.set_ylabel("load-balance loss (1 = balanced)")
+    ax.legend(handles=[ce, floor_line, lb], loc="upper right", fontsize=8)
+    fig.savefig(out / "loss.png", dpi=110, bbox_inches="tight")
+    paths.append(out / "loss.png")
     return paths
 
 
@@ -248,7 +267,43 @@ def run(cfg) -> int:
     return 0
 
 
+def override_problem(argv: list[str]) -> str | None:
+    """One paragraph for the first command-line override this app cannot take, or None:
+    a key that is no setting (with the closest ones, `train.` included: `steps` is
+    `train.steps`), a `+key` for a key that exists, or a deletion."""
+    from selector.compose import close_keys, valid_keys
+
+    train_keys = [f"train.{f}" for f in TrainSettings.__dataclass_fields__]
+    keys = [*valid_keys(), "train", *train_keys]
+    for arg in argv:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            continue
+        key = arg.split("=", 1)[0]
+        bare = key.lstrip("+~")
+        if bare.startswith(("hydra.", "hydra/")):
+            continue
+        if key.startswith("~"):
+            return f"{arg!r} deletes a setting; every setting needs a value: set it instead."
+        if bare not in keys:
+            close = close_keys(bare, choices=keys)
+            if f"train.{bare}" in train_keys:
+                close = [f"train.{bare}", *[c for c in close if c != f"train.{bare}"]]
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            return (
+                f"Unknown setting {bare!r} in {arg!r}.{hint} The training settings live "
+                f"under train. ({', '.join(train_keys)}); the rest use MaxText's spelling "
+                "(python -m selector --cfg job lists them)."
+            )
+        if key.startswith("+"):
+            return f"{bare!r} is already a setting and '+' adds a new key: write {arg.lstrip('+')}."
+    return None
+
+
 def main() -> None:
+    problem = override_problem(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     register()
     status = {"code": 0}
 

@@ -34,6 +34,32 @@ def mesh_for_plan(plan, devices=None) -> Mesh:
     return make_mesh(dict(plan.mesh.sizes), devices)
 
 
+def check_mesh(mesh: Mesh, plan=None) -> None:
+    """Refuse a mesh the block cannot honour, and a plan resolved for another mesh: a
+    plan's axes and placement describe the mesh it was resolved for, so on any other
+    its exchange or sequence split would silently not happen."""
+    types = getattr(mesh, "axis_types", ())
+    explicit = [n for n, t in zip(mesh.axis_names, types, strict=False) if t != AxisType.Auto]
+    if explicit:
+        raise ValueError(
+            f"The mesh's axes {explicit} are not of auto type (jax.make_mesh makes explicit "
+            "axes by default); the MoE block places its arrays with auto axes and its own "
+            "shard_map. Build the mesh with layers.make_mesh(sizes), or jax.make_mesh(shape, "
+            "names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))."
+        )
+    if plan is None:
+        return
+    planned = {a: s for a, s in plan.mesh.sizes if s > 1}
+    live = {a: int(s) for a, s in mesh.shape.items() if s > 1}
+    if planned != live:
+        raise ValueError(
+            f"The plan was resolved for a mesh of {planned or 'one device'} but the block "
+            f"is built on a mesh of {live or 'one device'}; its axis roles and weight "
+            "placement describe the first. Resolve the plan on this mesh: "
+            "selector.resolve(cfg, mesh)."
+        )
+
+
 def spec_entry(axes: tuple[str, ...]):
     """One PartitionSpec entry for a dim split over `axes`: None, one name, or a tuple."""
     return None if not axes else axes[0] if len(axes) == 1 else axes

@@ -1,10 +1,12 @@
 """MoE dispatch selector: inspects a mesh, a sequence length and a model, picks the MoE
 dispatch that keeps the sequence sharded, and validates settings before launch.
 
-Importing this package never imports jax.
+Importing this package never imports jax (compiling, with `compile=true` or
+`compile_check`, imports it then).
 """
 
-from .api import register_resolvers, resolve, validate
+from .api import compile_check, register_resolvers, resolve, validate
+from .compile_mode import CompileCheck, CompiledCandidate
 from .compose import compose, conf_dir, to_config
 from .config import (
     MESH_AXES,
@@ -28,6 +30,8 @@ __all__ = [
     "AxisRules",
     "CapacityRounding",
     "Candidate",
+    "CompileCheck",
+    "CompiledCandidate",
     "Config",
     "ConfigError",
     "Dispatch",
@@ -43,6 +47,7 @@ __all__ = [
     "ScoreFunc",
     "Severity",
     "WeightPlacement",
+    "compile_check",
     "compose",
     "conf_dir",
     "from_maxtext",

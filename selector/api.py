@@ -8,9 +8,10 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .compile_mode import CompileCheck, check
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
-from .findings import ConfigError, Finding, error, errors_in, warning
+from .findings import ConfigError, Finding, error, errors_in, shown, warning
 from .plan import DispatchPlan, analyse
 
 
@@ -58,6 +59,25 @@ def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
     return plan
 
 
+def compile_check(cfg: Any, mesh: Any = None, *, progress=None) -> CompileCheck:
+    """Choose as `resolve` does, then compile the chosen candidate and the runner-up for
+    the config's hardware on this machine (XLA:TPU through libtpu, XLA:GPU through JAX's
+    CUDA plugin, XLA:CPU on simulated devices) and choose again with XLA's memory
+    numbers. Returns the CompileCheck: `.plan` (its choice follows the compiled
+    numbers; pass it to `layers.MoEBlock(cfg, mesh=..., plan=...)`), `.compiled` (each
+    candidate estimated beside compiled) and `.findings`. Raises ConfigError when the
+    config has errors, before compiling or after (a compiled program that does not fit
+    is COMPILED_MEMORY_EXCEEDED), and `selector.targets.TargetUnavailable` naming the
+    extra to install when the compiler plugin is missing. `progress(message)` hears
+    each step (compiles take minutes at the real models' sizes)."""
+    config, notes = _typed(cfg, mesh)
+    plan, findings, checked = check(config, live_mesh_shape(mesh), progress=progress)
+    findings = notes + list(findings)
+    if checked is None or errors_in(findings):
+        raise ConfigError(findings)
+    return checked
+
+
 def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
     """Every finding for `cfg` on `mesh`; never raises for a bad config: a key nothing
     reads (UNKNOWN_SETTING), a value of the wrong type (VALUE_TYPE_INVALID) or something
@@ -79,12 +99,26 @@ def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
         ]
     except TypeError as exc:  # not a Config, DictConfig or mapping
         return [error("CONFIG_NOT_A_MAPPING", "config", f"{exc}. Pass a mapping of settings.")]
+    except (ValueError, OverflowError, RecursionError) as exc:  # a value no setting holds
+        return [
+            error(
+                "VALUE_TYPE_INVALID",
+                "config",
+                f"A value cannot be read as a setting ({type(exc).__name__}: "
+                f"{shown(str(exc).splitlines()[0] if str(exc) else '')}). Give each setting "
+                "a plain value of its type.",
+            )
+        ]
 
 
 def _moe_dispatch(path: str = "", *, _root_) -> str:
     if path:  # a node of selector settings only: every other key is an error
-        return resolve(to_config(OmegaConf.select(_root_, path))).strategy.value
-    return resolve(to_config(_root_, others="misspellings")).strategy.value
+        config = to_config(OmegaConf.select(_root_, path))
+    else:
+        config = to_config(_root_, others="misspellings")
+    if config.compile:  # compile=true: the choice follows the compiled candidates
+        return compile_check(config).plan.strategy.value
+    return resolve(config).strategy.value
 
 
 def register_resolvers() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from .api import analyse_any
 from .compose import compose, override_key, to_config
 from .config import OutputFormat
-from .findings import ConfigError, errors_in
+from .findings import ConfigError, errors_in, shown
 from .maxtext import MaxTextError, from_maxtext
 from .report import render_json, render_text
 
@@ -80,14 +81,16 @@ def _first_line(text) -> str:
 
 
 def explain(exc: BaseException, line: str) -> str:
-    """One paragraph naming the setting and the fix, for an override that fails."""
+    """One paragraph naming the setting and the fix, for an override that fails (values
+    quoted to one line: a 100,000-digit value is not echoed back whole)."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else None
-    key = override_key(line)
+    key = shown(override_key(line), 60)
+    line = shown(line)
     if isinstance(exc, ConfigError):
         return exc.findings[0].message
     if isinstance(exc, OverrideParseException):
         detail = str(exc).strip().splitlines()
-        reason = detail[1] if len(detail) > 1 else _first_line(exc)
+        reason = shown(detail[1] if len(detail) > 1 else _first_line(exc))
         return (
             f"Cannot parse the override {line!r} ({reason}). Overrides take the form "
             "key=value (for example ici_context_parallelism=4); quote values with spaces "
@@ -99,12 +102,12 @@ def explain(exc: BaseException, line: str) -> str:
             group, option = m.groups()
             options = re.findall(r"^\t(\S+)$", str(exc), flags=re.M)
             return (
-                f"Unknown option {option!r} for {group}= (override {line!r}). Available "
+                f"Unknown option {shown(option, 60)!r} for {group}= (override {line!r}). Available "
                 f"{group} presets: {', '.join(options) or 'none'}."
             )
     if isinstance(cause, ValidationError):
         return (
-            f"Setting {key!r} cannot take the value in {line!r}: {_first_line(cause)}. "
+            f"Setting {key!r} cannot take the value in {line!r}: {shown(_first_line(cause))}. "
             "Give a value of the setting's type."
         )
     if "Ambiguous value" in str(exc):
@@ -112,7 +115,10 @@ def explain(exc: BaseException, line: str) -> str:
             f"The override {line!r} lists several values; add -m to run one check per "
             "value, or give one value."
         )
-    return f"Cannot apply the override {line!r}: {_first_line(exc)}."
+    return f"Cannot apply the override {line!r}: {shown(_first_line(exc))}."
+
+
+MAX_JOBS = 1000  # a sweep past this is refused before anything is composed
 
 
 def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
@@ -120,8 +126,14 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     for line in overrides:
         if line.split("=", 1)[0].startswith("hydra."):
             raise _Usage(
-                f"{line!r} configures Hydra's job runner, which the check does not use "
+                f"{shown(line)!r} configures Hydra's job runner, which the check does not use "
                 "(it writes no files); drop it."
+            )
+        if line.startswith("~"):
+            raise _Usage(
+                f"{shown(line)!r} deletes a setting, and every setting the check reads needs "
+                "a value (without a model preset the block's sizes would be the schema's "
+                "placeholders). Set it instead: key=value, or model=NAME for a preset."
             )
     if not multirun:
         return [overrides]
@@ -135,14 +147,20 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
         prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
         if o.is_sweep_override():
             try:
-                values = list(o.sweep_string_iterator())
+                values = list(itertools.islice(o.sweep_string_iterator(), MAX_JOBS + 1))
             except HydraException as exc:
                 raise _Usage(
-                    f"Cannot expand the sweep {o.input_line!r}: {_first_line(exc)}."
+                    f"Cannot expand the sweep {shown(o.input_line)!r}: {_first_line(exc)}."
                 ) from None
             choices.append([f"{prefix}{o.get_key_element()}={v}" for v in values])
         else:
             choices.append([o.input_line])
+        if math.prod(len(c) for c in choices) > MAX_JOBS:
+            raise _Usage(
+                f"The sweep asks for more than {MAX_JOBS:,} checks (at {shown(o.input_line)!r}); "
+                "each is composed and reported, so split it into sweeps of at most "
+                f"{MAX_JOBS:,} jobs."
+            )
     return [list(combo) for combo in itertools.product(*choices)]
 
 
@@ -184,10 +202,28 @@ def _emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def report(config, plan, findings, *, overrides, job=None, maxtext=None) -> int:
+def analysed(config, *, live_shape=None):
+    """(plan, findings, compile check or None): compiled candidates when `compile=true`.
+    A compiler plugin that is missing is unusable input (exit 2, naming the extra)."""
+    if not config.compile:
+        plan, findings = analyse_any(config)
+        return plan, findings, None
+    from .compile_mode import check
+    from .targets import TargetUnavailable
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        return check(config, live_shape, progress=progress)
+    except TargetUnavailable as exc:
+        raise _Usage(str(exc)) from None
+
+
+def report(config, plan, findings, *, overrides, job=None, maxtext=None, compiled=None) -> int:
     """Print one report (text or JSON) and return its exit status."""
     if config.output is OutputFormat.json:
-        payload = json.loads(render_json(config, plan, findings, overrides))
+        payload = json.loads(render_json(config, plan, findings, overrides, compiled))
         if maxtext is not None:
             payload["maxtext"] = maxtext.as_dict()
         _emit(json.dumps(payload, sort_keys=True))
@@ -197,7 +233,7 @@ def report(config, plan, findings, *, overrides, job=None, maxtext=None) -> int:
             lines.append(f"=== job {job}: {' '.join(overrides) or '(defaults)'}")
         if maxtext is not None:
             lines.append(maxtext.summary())
-        lines.append(render_text(config, plan, findings))
+        lines.append(render_text(config, plan, findings, compiled))
         _emit("\n".join(lines))
     return EXIT_INVALID if errors_in(findings) else EXIT_OK
 
@@ -213,12 +249,17 @@ def maxtext_main(overrides: list[str], multirun: bool) -> int:
     rest = [a for a in overrides if not a.startswith("maxtext_config=")]
     try:
         imported = from_maxtext(path, rest)
-        plan, findings = analyse_any(imported.config)
     except (MaxTextError, ConfigError, ValueError, TypeError) as exc:
         message = explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc)
         raise _Usage(message) from None
+    plan, findings, compiled = analysed(imported.config)
     return report(
-        imported.config, plan, imported.findings + findings, overrides=rest, maxtext=imported
+        imported.config,
+        plan,
+        imported.findings + findings,
+        overrides=rest,
+        maxtext=imported,
+        compiled=compiled,
     )
 
 
@@ -238,9 +279,11 @@ def run(argv: list[str]) -> int:
             config = to_config(cfg)
         except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as exc:
             raise _Usage(explain(exc, " ".join(lines))) from None
-        plan, findings = analyse_any(config)
+        plan, findings, compiled = analysed(config)
         job = i if args.multirun else None
-        status = max(status, report(config, plan, findings, overrides=lines, job=job))
+        status = max(
+            status, report(config, plan, findings, overrides=lines, job=job, compiled=compiled)
+        )
     return status
 
 
@@ -249,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         return run(sys.argv[1:] if argv is None else argv)
     except _Usage as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RecursionError:  # a value nested thousands deep, in an override or a file
+        print(
+            "error: the input nests a value deeper than the check follows; settings take "
+            "plain values (numbers, names, short lists).",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
 
 

@@ -150,6 +150,9 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
         return cfg
     if not isinstance(cfg, (DictConfig, Mapping)):
         raise TypeError(f"expected a Config, DictConfig or mapping, got {type(cfg).__name__}")
+    if not isinstance(cfg, DictConfig):
+        for key in cfg.keys():
+            _check_plain(str(key), cfg[key])
     for key in cfg.keys():
         if key in _FIELDS or key in GROUPS:
             continue
@@ -167,6 +170,46 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
     known = {k: cfg[k] for k in cfg.keys() if k in _FIELDS and k not in presets}
     merged = OmegaConf.merge(_preset_base(presets), known)
     return OmegaConf.to_object(merged)
+
+
+MAX_DEPTH = 16  # a setting's value nests lists or mappings at most this deep
+MAX_INT = 2**63  # no setting holds a larger whole number
+
+
+def _check_plain(key: str, value: Any) -> None:
+    """Refuse, naming the key, what would only overflow or recurse further in: a whole
+    number past 2**63 (Python will not even print one past 4300 digits) or a value
+    nested past MAX_DEPTH."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(
+                [
+                    error(
+                        "VALUE_TYPE_INVALID",
+                        key,
+                        f"{key} holds a value nested more than {MAX_DEPTH} levels deep; "
+                        "settings take numbers, names and short lists.",
+                    )
+                ]
+            )
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
+            digits = int(item.bit_length() * 0.30103) + 1
+            raise ConfigError(
+                [
+                    error(
+                        "VALUE_TOO_LARGE",
+                        key,
+                        f"{key} holds a whole number of about {digits:,} digits, past any "
+                        "size a setting can take (2**63). Check the value.",
+                    )
+                ]
+            )
+        if isinstance(item, Mapping):
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list | tuple):
+            stack += [(v, depth + 1) for v in item]
 
 
 def _preset_base(presets: Mapping[str, Any]):

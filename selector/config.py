@@ -202,6 +202,10 @@ class Config:
     expert_buffer_factor: float = 1.125
     allow_local_batch_inflation: bool = False
     gmm_backend: GmmBackend = GmmBackend.auto
+    # Compile the chosen candidate and the runner-up for the hardware on this machine
+    # (XLA:TPU / XLA:GPU ahead of time, XLA:CPU on simulated devices) and let the
+    # compiled memory decide what fits (selector.compile_check).
+    compile: bool = False
     output: OutputFormat = OutputFormat.text
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)

@@ -147,7 +147,7 @@ def weight_rest_bytes(p: Shape, hidden_shards: int) -> float:
 def block_memory(
     strategy: Dispatch, exchange: Exchange, p: Shape, weights_rest: float, key: str
 ) -> Memory:
-    temp = temp_from_parts(key, memory_parts(strategy, exchange, p), p.train)
+    temp = temp_from_parts(key, memory_parts(strategy, exchange, p))
     x = p.T * p.M * p.xb
     outputs = weights_rest + x if p.train else x
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)

@@ -80,6 +80,13 @@ class Finding:
         return Finding(self.code, self.severity, self.setting, text, verified)
 
 
+def shown(text, limit: int = 120) -> str:
+    """`text` as a message may quote it: one line, at most `limit` characters (a
+    100,000-digit value is not echoed back whole)."""
+    text = str(text).replace("\n", " ")
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def error(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:
     return Finding(code, Severity.error, setting, message, tuple(fixes), tail)
 

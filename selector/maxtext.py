@@ -7,7 +7,7 @@ overrides), maps the keys the MoE block reads, and lists the rest as ignored.
 
 An override must name a key of the config chain or one of ours (`num_devices`, `chip`,
 `dispatch`, `mode`, `output`, `allow_local_batch_inflation`, `expert_exchange`,
-`expert_group`, `expert_buffer_factor`, `optimizer_bytes_per_param`): anything else is
+`expert_group`, `expert_buffer_factor`, `optimizer_bytes_per_param`, `compile`): anything else is
 an error with the closest keys, never silently ignored.
 
 MaxText's `hardware` keeps its meaning (tpu, gpu, gpu_multiprocess, cpu); the chip the
@@ -84,6 +84,7 @@ OWN_KEYS = (
     "expert_group",
     "expert_buffer_factor",
     "optimizer_bytes_per_param",
+    "compile",
 )
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
@@ -242,6 +243,7 @@ def from_maxtext(
         "allow_local_batch_inflation",
         "expert_buffer_factor",
         "optimizer_bytes_per_param",
+        "compile",
     ):
         if key in raw and raw[key] is not None:
             values[key] = coerce(key, raw[key], _FIELD_TYPES[key])

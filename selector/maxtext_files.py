@@ -11,33 +11,65 @@ from typing import Any
 
 import yaml
 
+from .findings import shown
+
 
 class MaxTextError(ValueError):
     """A MaxText file or override that cannot be read: the message names it and the fix."""
 
 
+# MaxText's own configs are tens of KiB (base.yml: about 50); anything past this is not
+# a config, and a special file (a FIFO, /dev/zero) is never one.
+MAX_CONFIG_BYTES = 4 * 2**20
+
+
 def load_yaml(path: Path) -> dict:
+    name = shown(repr(str(path)))
     try:
-        data = yaml.safe_load(path.read_text())
+        info = path.stat()
     except FileNotFoundError as exc:
         raise MaxTextError(
-            f"MaxText config {str(path)!r} does not exist; check the path given to "
+            f"MaxText config {name} does not exist; check the path given to "
             "maxtext_config= (or its base_config:)."
+        ) from exc
+    except OSError as exc:
+        raise MaxTextError(f"MaxText config {name} cannot be read ({exc}).") from exc
+    if not path.is_file():
+        raise MaxTextError(
+            f"MaxText config {name} is not a regular file (a folder, pipe or device); "
+            "give the path of a YAML file."
+        )
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise MaxTextError(
+            f"MaxText config {name} holds {info.st_size:,} bytes, more than the "
+            f"{MAX_CONFIG_BYTES:,} a config may (MaxText's own are tens of KiB); give the "
+            "config file itself."
+        )
+    try:
+        with path.open(encoding="utf-8") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise MaxTextError(f"MaxText config {name} is longer than {MAX_CONFIG_BYTES:,} bytes.")
+        data = yaml.safe_load(text)
+    except RecursionError as exc:
+        raise MaxTextError(
+            f"MaxText config {name} nests its values deeper than this reader follows; a "
+            "MaxText config is a flat mapping of settings: fix the file."
         ) from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
         raise MaxTextError(
-            f"MaxText config {str(path)!r} is not readable YAML{where} ({problem}); fix the file."
+            f"MaxText config {name} is not readable YAML{where} ({shown(problem)}); fix the file."
         ) from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise MaxTextError(f"MaxText config {str(path)!r} cannot be read ({exc}).") from exc
+        raise MaxTextError(f"MaxText config {name} cannot be read ({exc}).") from exc
     if data is None:
-        raise MaxTextError(f"MaxText config {str(path)!r} is empty; give a config with its keys.")
+        raise MaxTextError(f"MaxText config {name} is empty; give a config with its keys.")
     if not isinstance(data, dict):
         raise MaxTextError(
-            f"MaxText config {str(path)!r} holds a {type(data).__name__}, not a mapping of "
+            f"MaxText config {name} holds a {type(data).__name__}, not a mapping of "
             "key: value; fix the file."
         )
     return data
@@ -66,13 +98,18 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key or not key.replace("_", "a").replace(".", "a").isalnum():
             raise MaxTextError(
-                f"Cannot read the override {item!r}: MaxText overrides take the form key=value "
-                "(for example ici_context_parallelism=4)."
+                f"Cannot read the override {shown(repr(item))}: MaxText overrides take the "
+                "form key=value (for example ici_context_parallelism=4)."
             )
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        except RecursionError as exc:
+            raise MaxTextError(
+                f"The override {shown(repr(item))} nests its value deeper than this reader "
+                "follows; give a plain value."
+            ) from exc
         parsed[key] = value
     return parsed
 

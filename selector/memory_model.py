@@ -10,26 +10,14 @@ from pathlib import Path
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
 from .problem import Shape, buffer_rows, compute_weight_elements, rows
 
-# Temp bytes = sum over parts of coefficient x hand count, per calibration key (the
-# dispatch and exchange, and `@cpu_half` for half precision on XLA:CPU, which converts
-# part of a bfloat16 program to float32; an accelerator keeps every buffer in the
-# compute dtype, as a float32 program does, so it uses the float32 family at the
-# dtype's own bytes). Parts, in bytes (see `memory_parts`): `tokens` (T x M: block
-# input, output and their gradients), `rows_m` and `rows_h` (routed rows x M and x H:
-# expert inputs, outputs, gate, up, activation and their gradients; the exchange's
-# owner runs its experts one slot of B rows at a time, so its x H buffers are B rows),
-# `router` (T x E logits and probabilities, float32), `choices` (T x k x E one-hots of
-# the top-k, or T x k sort indices), `masks` (the capacity path's T x E x C dispatch
-# and combine), `masks_k` (its k one-hot slot maps, T x k x E x C, kept for the
-# backward pass), `weights` (the compute-form copy of the weights a device computes
-# with), `gathered` (the same bytes again when they are gathered) and `reduced` (the
-# weight gradients' bytes again when devices holding the same shard all-reduce them),
-# and `expert` (one expert's three weights in float32: the grouped matmul's weight
-# gradient accumulates each expert in a float32 buffer of that size, which matters when
-# a device computes with one or two experts).
-# Fitted by `python -m bench.calibrate --write` on XLA:CPU programs (8 simulated
-# devices), which writes memory_calibration.json beside this module; mlp borrows
-# dense's.
+# Temp bytes = sum over parts of coefficient x hand count, per calibration key: the
+# compiler family, the mode and the dispatch and exchange (`tpu train megablox`). Each
+# compiler has its own coefficients, fitted on its own compiled programs: XLA:TPU
+# (`tpu`) and XLA:GPU (`gpu`) keep every buffer in the compute dtype, so one family
+# serves each dtype at its own bytes; XLA:CPU converts part of a bfloat16 program to
+# float32, so half precision there is a family of its own (`cpu_half`). Training
+# (fwd+bwd), prefill and decode (forward programs) are fitted apart. Parts, in bytes
+# (see `memory_parts`): `tokens` (T x M: block
 PARTS = (
     "tokens",
     "rows_m",
@@ -48,15 +36,27 @@ MEMORY_CALIBRATION: dict[str, dict[str, float]] = json.loads(CALIBRATION_FILE.re
 ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
 
 
+FAMILIES = ("cpu", "cpu_half", "gpu", "tpu")
+
+
+def calibration_family(cfg: Config) -> str:
+    """The compiler whose coefficients price `cfg`: its platform, and half precision on
+    XLA:CPU apart."""
+    platform = cfg.hardware.platform
+    if platform == "cpu" and DTYPE_BYTES.get(cfg.dtype, 4) < 4:
+        return "cpu_half"
+    return platform
+
+
 def calibration_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:
+    """`{family} {mode} {program}`, for example `tpu train megablox_exchanged`."""
     if strategy is Dispatch.mlp:
         base = "dense"
     elif strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
         base = "megablox_exchanged"
     else:
         base = strategy.value
-    half = cfg.hardware.platform == "cpu" and DTYPE_BYTES.get(cfg.dtype, 4) < 4
-    return base + ("@cpu_half" if half else "")
+    return f"{calibration_family(cfg)} {cfg.mode.value} {base}"
 
 
 def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, float]:
@@ -90,10 +90,23 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
     }
 
 
-def temp_from_parts(key: str, parts: dict[str, float], train: bool = True) -> float:
+class CalibrationMissing(KeyError):
+    """No fitted coefficients for a calibration key."""
+
+
+def temp_from_parts(key: str, parts: dict[str, float]) -> float:
     """Temp bytes from the hand counts and the fitted coefficients of `key`."""
-    coeff = MEMORY_CALIBRATION.get(key, MEMORY_CALIBRATION.get(key.split("@")[0], {}))
-    temp = sum(coeff.get(k, 1.0) * v for k, v in parts.items())
-    # Nothing is kept for a backward pass outside training: about half stays live (a
-    # guess; the fit covers training programs only).
-    return temp if train else 0.5 * temp
+    coeff = MEMORY_CALIBRATION.get(key)
+    if coeff is None:
+        family = key.split()[0]
+        raise CalibrationMissing(
+            f"{CALIBRATION_FILE.name} has no coefficients for {key!r}: fit them with "
+            f"python -m bench.calibrate --target {family.split('_')[0]} --write"
+        )
+    missing = set(parts) - set(coeff)
+    if missing:
+        raise CalibrationMissing(
+            f"{CALIBRATION_FILE.name} entry {key!r} lacks the parts {sorted(missing)}: "
+            "fit it again with python -m bench.calibrate --write"
+        )
+    return sum(coeff[k] * v for k, v in parts.items())

@@ -193,6 +193,17 @@ def mesh_from_live(shape: Mapping[str, int]) -> tuple[dict, list[Finding]]:
     findings = []
     sizes = {a: 1 for a in MESH_AXES}
     for axis, size in shape.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            findings.append(
+                error(
+                    "MESH_AXIS_INVALID",
+                    "mesh",
+                    f"The mesh axis '{axis}' has size {size!r}; every axis of a mesh holds "
+                    "a positive whole number of devices. Build the mesh with sizes >= 1 "
+                    "(layers.make_mesh), dropping an axis rather than giving it 0.",
+                )
+            )
+            continue
         if axis not in MESH_AXES and size > 1:
             findings.append(
                 warning(

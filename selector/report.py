@@ -19,7 +19,37 @@ def _wrap(text: str, indent: str) -> str:
     return textwrap.fill(text, width=92, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
-def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding]) -> str:
+def render_compiled(check) -> list[str]:
+    """The compile check's table: each compiled candidate, estimated beside compiled."""
+    lines = [
+        "",
+        f"Compiled for {check.target} (ahead of time on this machine; nothing ran)",
+        f"  {'candidate':<21} {'temp MiB est':>12} {'temp MiB XLA':>12} {'error':>7}"
+        f" {'device GiB XLA':>14} {'fits':>5} {'XLA / est FLOPs':>15} {'compile s':>9}",
+    ]
+    chosen = check.plan.chosen_estimate.name
+    for c in check.compiled:
+        ratio = f"{c.flops / c.estimate.flops:.2f}" if c.flops and c.estimate.flops else "-"
+        lines.append(
+            f"{'*' if c.name == chosen else ' '} {c.name:<21} "
+            f"{c.estimate.memory.temp / 2**20:>12,.1f} {c.compiled.temp / 2**20:>12,.1f} "
+            f"{c.temp_error:>+7.0%} {c.device_bytes / 2**30:>14.3g} "
+            f"{'yes' if c.fits else 'NO':>5} {ratio:>15} {c.seconds:>9.0f}"
+        )
+    lines.append(
+        f"  choice after compiling: {chosen}"
+        + (
+            f" (the estimate chose {check.estimated_choice}; compiled numbers decide)"
+            if check.changed
+            else " (as estimated)"
+        )
+    )
+    return lines
+
+
+def render_text(
+    cfg: Config, plan: DispatchPlan | None, findings: list[Finding], compiled=None
+) -> str:
     hw = cfg.hardware
     lines = [
         f"MoE dispatch plan: {cfg.model_name} (E={cfg.num_experts}, k={cfg.num_experts_per_tok},"
@@ -89,6 +119,8 @@ def render_text(cfg: Config, plan: DispatchPlan | None, findings: list[Finding])
             ),
             _wrap(f"expert weights: {plan.expert_weights}", "  "),
         ]
+    if compiled is not None:
+        lines += render_compiled(compiled)
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
     for f in findings:
         lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
@@ -108,6 +140,7 @@ def render_json(
     plan: DispatchPlan | None,
     findings: list[Finding],
     overrides: list[str] | None = None,
+    compiled=None,
 ) -> str:
     """One line of JSON (one per job in a multirun)."""
     payload = {
@@ -118,5 +151,6 @@ def render_json(
         "mode": cfg.mode.value,
         "plan": plan.as_dict() if plan is not None else None,
         "findings": [f.as_dict() for f in findings],
+        "compiled": compiled.as_dict() if compiled is not None else None,
     }
     return json.dumps(payload, sort_keys=True)

@@ -107,6 +107,23 @@ class Target:
         return dict(GPU_COMPILE_OPTIONS) if self.platform == "gpu" else {}
 
 
+def prepare_process(platform: str, num_devices: int) -> None:
+    """Set up a process that has not started jax to compile for `platform`: abstract TPU
+    and GPU devices need only JAX's CPU backend; CPU targets need `num_devices` simulated
+    devices, which XLA reads from XLA_FLAGS when jax starts. A no-op once jax runs."""
+    import sys
+
+    if "jax" in sys.modules:
+        return
+    if platform in ("tpu", "gpu"):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        count = f"--xla_force_host_platform_device_count={num_devices}"
+        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+
+
 def describe(chip: str, num_devices: int, num_slices: int = 1) -> str:
     """The compile target a config describes, in words ("" when `chip` is not one this
     module compiles for, or the devices make no slice of it)."""

@@ -10,6 +10,7 @@ from flax import nnx
 import layers
 import selector
 from layers.programs import block_forward, compile_fwd_bwd
+from layers.reference import reference_choices, reference_keep, reference_moe
 
 
 def build(
@@ -103,3 +104,46 @@ def host_weights(model: layers.MoEBlock):
     """The block's weights as plain single-device arrays, for the reference MoE (which
     is about the math, not the sharding)."""
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), model.weights())
+
+
+def reference_grads(model, x, cot, cp):
+    spec, w = model.spec, host_weights(model)
+    ids = reference_choices(w, x, spec)
+    keep = reference_keep(w, x, spec, cp, ids)
+
+    def loss(w, x):
+        y, _ = reference_moe(w, x, spec, keep, ids)
+        return jnp.sum(y * cot), y
+
+    (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
+    return y, gw, gx
+
+
+# MaxText's routing variants as selector overrides (shared by the routing and port tests).
+ROUTINGS = {
+    "deepseek_v3": (
+        "num_experts=16",
+        "num_experts_per_tok=4",
+        "routed_score_func=sigmoid",
+        "routed_bias=true",
+        "routed_scaling_factor=2.5",
+        "n_routing_groups=4",
+        "topk_routing_group=2",
+        "norm_topk_prob=true",
+        "shared_experts=1",
+    ),
+    "deepseek_v2": (
+        "num_experts=16",
+        "num_experts_per_tok=3",
+        "norm_topk_prob=false",
+        "routed_scaling_factor=16",
+        "shared_experts=2",
+    ),
+    "qwen3_next": (
+        "num_experts=16",
+        "num_experts_per_tok=4",
+        "norm_topk_prob=true",
+        "shared_experts=1",
+        "shared_expert_gate=true",
+    ),
+}

@@ -132,3 +132,54 @@ def test_loss_floor_is_the_entropy_of_the_language():
     logs = np.log(np.where(freq > 0, freq, 1.0))
     empirical = -(freq * logs).sum(axis=1).mean()
     assert abs(empirical - lang.floor) < 0.02
+
+
+@pytest.mark.parametrize(
+    "arg,says",
+    [
+        ("steps=5", "Did you mean train.steps"),
+        ("+steps=5", "Did you mean train.steps"),
+        ("+train.steps=3", "write train.steps=3"),
+        ("~model", "deletes a setting"),
+    ],
+)
+def test_a_bad_override_gets_one_paragraph_and_exit_2(arg, says):
+    from examples.train import override_problem
+
+    assert says in override_problem([arg])
+    assert override_problem(["train.steps=3", "model=tiny", "hydra.run.dir=x", "-m"]) is None
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.train", arg],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2 and says in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_the_record_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """With matplotlib missing, run.json is written and the skipped plot is named."""
+    import builtins
+
+    from examples.train import TrainSettings, write_outputs
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    class Plan:
+        cp = 1
+
+        def as_dict(self):
+            return {"strategy": "megablox"}
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    history = [{"loss": 2.0, "load_balance_loss": 1.0}]
+    paths = write_outputs(tmp_path, None, TrainSettings(), Plan(), history, 1.5)
+    assert paths == [tmp_path / "run.json"] and (tmp_path / "run.json").is_file()
+    assert "skipped loss.png" in capsys.readouterr().err

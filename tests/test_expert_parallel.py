@@ -12,8 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hlo import classify, collectives, value_shapes
-from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads, weight_shapes
-from test_layers_parity import reference_grads
+from layer_helpers import (
+    assert_close,
+    build,
+    host_weights,
+    inputs,
+    loss_and_grads,
+    reference_grads,
+    weight_shapes,
+)
 
 from layers.programs import compile_fwd_bwd
 from layers.reference import reference_choices, reference_moe
@@ -205,9 +212,11 @@ def emulated_ragged_all_to_all(
     operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, **_
 ):
     """jax.lax.ragged_all_to_all's documented semantics from plain all_to_all (which
-    XLA:CPU runs): slice i of this device's operand goes to peer i and lands at
-    output_offsets[i] in that peer's output; what arrives from peer j is recv_sizes[j]
-    rows long."""
+    XLA:CPU runs): the first send_sizes[i] rows from input_offsets[i] of this device's
+    operand go to peer i and land at output_offsets[i] in that peer's output, which
+    takes recv_sizes[j] rows from peer j. Both sizes are read: a row moves only when the
+    sender sends it and the receiver expects it, so a wrong count on either side loses
+    rows (and the parity test fails)."""
     peers = input_offsets.shape[0]
     cap = min(operand.shape[0], output.shape[0])
     rows = jnp.arange(cap)
@@ -218,8 +227,9 @@ def emulated_ragged_all_to_all(
     slices = slices.reshape(peers, cap, *operand.shape[1:])
     got = jax.lax.all_to_all(slices, axis_name, 0, 0, tiled=True)
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    sent = jax.lax.all_to_all(send_sizes, axis_name, 0, 0, tiled=True)  # peer j's to me
     target = where[:, None] + rows[None, :]
-    keep = rows[None, :] < recv_sizes[:, None]
+    keep = (rows[None, :] < recv_sizes[:, None]) & (rows[None, :] < sent[:, None])
     target = jnp.where(keep, target, output.shape[0]).reshape(-1)
     return output.at[target].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
 

@@ -4,7 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads
+from layer_helpers import (
+    assert_close,
+    build,
+    host_weights,
+    inputs,
+    loss_and_grads,
+    reference_grads,
+)
 
 from layers.reference import reference_choices, reference_keep, reference_moe
 
@@ -27,19 +34,6 @@ MESHES = {
 # Every mesh but data8 rests the weights sharded (over fsdp, the context axes, tensor or
 # expert): the block gathers them inside and the gradients come back reduce-scattered.
 REPLICATED_AT_REST = {"data8"}
-
-
-def reference_grads(model, x, cot, cp):
-    spec, w = model.spec, host_weights(model)
-    ids = reference_choices(w, x, spec)
-    keep = reference_keep(w, x, spec, cp, ids)
-
-    def loss(w, x):
-        y, _ = reference_moe(w, x, spec, keep, ids)
-        return jnp.sum(y * cot), y
-
-    (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
-    return y, gw, gx
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

@@ -70,7 +70,7 @@ def test_a_nonfinite_token_is_counted_and_poisons_only_itself(jax_cpu8, strategy
     model = build(strategy, MESH, BATCH, SEQ)
     x, cot = inputs(BATCH, SEQ)
     x = x.at[1, 5, 3].set(bad)
-    y, stats, _, _ = loss_and_grads(model, x, jnp.zeros_like(cot))
+    y, stats, gw, gx = loss_and_grads(model, x, cot)
     assert float(stats["nonfinite_tokens"]) == 1
     y = np.asarray(y)
     assert not np.isfinite(y[1, 5]).all()
@@ -79,3 +79,58 @@ def test_a_nonfinite_token_is_counted_and_poisons_only_itself(jax_cpu8, strategy
     assert np.isfinite(y[others]).all()
     ry, _ = reference_moe(host_weights(model), x, model.spec)
     assert_close(y[others], np.asarray(ry)[others], what="finite tokens")
+    # Backward: the poisoned token's gradient is not finite, and it reaches the weight
+    # gradients it was routed through (the step is to be skipped: nonfinite_tokens
+    # says so). Every other token's input gradient stays finite, except on the capacity
+    # path, whose dispatch and combine einsums multiply the poisoned slot by the zeros
+    # of every token of its subgroup (sequence shard): those 16 tokens, no others.
+    gx = np.asarray(gx)
+    assert not np.isfinite(gx[1, 5]).all()
+    clean = others.copy()
+    if strategy == "subgroup_capacity":
+        shard = SEQ // MESH["context"]
+        assert not np.isfinite(gx[1, :shard]).all(axis=-1).any()
+        clean[1, :shard] = False
+    assert np.isfinite(gx[clean]).all()
+    assert not np.isfinite(np.asarray(gw.gate_ME)).all()
+
+
+def test_a_plan_for_another_mesh_is_refused(jax_cpu8):
+    """A plan resolved for (fsdp=2, context=4) with its exchange over context, given to
+    a block on (data=8): a ValueError naming both meshes, not a block without
+    sequence axes whose plan still describes the exchange."""
+    from flax import nnx
+
+    import layers
+    import selector
+
+    model = build("megablox", {"fsdp": 2, "context": 4}, 2, 64, "expert_exchange=all_to_all")
+    assert model.plan.placement.group_axes  # the exchange the plan describes
+    other = layers.make_mesh({"data": 8})
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu"])
+    with pytest.raises(ValueError, match=r"resolved for a mesh of \{'fsdp': 2, 'context': 4\}"):
+        layers.MoEBlock(cfg, mesh=other, plan=model.plan, rngs=nnx.Rngs(0))
+
+
+def test_a_mesh_with_explicit_axes_is_refused(jax_cpu8):
+    import jax
+    from flax import nnx
+
+    import layers
+    import selector
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu"])
+    with pytest.raises(ValueError, match="not of auto type"):
+        layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_a_live_mesh_axis_without_devices_is_a_finding(size):
+    import selector
+
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu"])
+    findings = selector.validate(cfg, {"data": size, "context": 8})
+    assert [f.code for f in findings] == ["MESH_AXIS_INVALID"]
+    with pytest.raises(selector.ConfigError, match="MESH_AXIS_INVALID"):
+        selector.resolve(cfg, {"data": size, "context": 8})

@@ -8,39 +8,19 @@ the bug report), under cp = 4 and with tensor and expert parallelism."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads
-from test_layers_parity import reference_grads
+from layer_helpers import (
+    ROUTINGS,
+    assert_close,
+    build,
+    host_weights,
+    inputs,
+    loss_and_grads,
+    reference_grads,
+)
 
 from layers.reference import reference_choices, reference_moe
 
 BATCH, SEQ = 8, 32
-ROUTINGS = {
-    "deepseek_v3": (
-        "num_experts=16",
-        "num_experts_per_tok=4",
-        "routed_score_func=sigmoid",
-        "routed_bias=true",
-        "routed_scaling_factor=2.5",
-        "n_routing_groups=4",
-        "topk_routing_group=2",
-        "norm_topk_prob=true",
-        "shared_experts=1",
-    ),
-    "deepseek_v2": (
-        "num_experts=16",
-        "num_experts_per_tok=3",
-        "norm_topk_prob=false",
-        "routed_scaling_factor=16",
-        "shared_experts=2",
-    ),
-    "qwen3_next": (
-        "num_experts=16",
-        "num_experts_per_tok=4",
-        "norm_topk_prob=true",
-        "shared_experts=1",
-        "shared_expert_gate=true",
-    ),
-}
 MESHES = {
     "data2_cp4": {"data": 2, "context": 4},
     "tensor2_cp4": {"context": 4, "tensor": 2},
@@ -133,3 +113,29 @@ def test_capacity_rounding_drops_what_each_formula_drops(jax_cpu8, rounding, exp
     keep = reference_keep(host_weights(model), x, model.spec, 1)
     _, ref = reference_moe(host_weights(model), x, model.spec, keep)
     assert ref["dropped_tokens"] > 0 and float(stats["dropped_tokens"]) == ref["dropped_tokens"]
+
+
+def test_routed_bias_update_moves_load_towards_balance(jax_cpu8):
+    """Aux-loss-free balancing: an under-loaded expert's bias rises by the rate, an
+    over-loaded one's falls, one at the mean stays; applied step after step to a router
+    whose bias starts skewed towards expert 0 (DeepSeek-V3 routing, where the bias only
+    chooses), expert 0's load comes at least half-way back to the mean."""
+    from layers.router import update_routed_bias
+
+    bias = jnp.zeros((4,), jnp.float32)
+    new = update_routed_bias(bias, jnp.asarray([10.0, 2.0, 6.0, 6.0]), 0.5)
+    np.testing.assert_array_equal(np.asarray(new), [-0.5, 0.5, 0.0, 0.0])
+
+    model = build("megablox", {"data": 8}, 8, 32, *ROUTINGS["deepseek_v3"])
+    model.gate.bias[...] = jnp.zeros((16,), jnp.float32).at[0].set(0.3)  # expert 0 favoured
+    x, cot = inputs(8, 32)
+    loads = []
+    for _ in range(8):
+        _, stats, _, _ = loss_and_grads(model, x, cot)
+        loads.append(np.asarray(stats["tokens_per_expert"]))
+        model.gate.bias[...] = update_routed_bias(
+            model.gate.bias[...], stats["tokens_per_expert"], 0.05
+        )
+    mean = loads[0].mean()
+    assert loads[0][0] > 2 * mean  # the bias did skew the choice
+    assert abs(loads[-1][0] - mean) < 0.5 * abs(loads[0][0] - mean), [ld[0] for ld in loads]

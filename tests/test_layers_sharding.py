@@ -5,7 +5,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from hlo import classify, dot_flops
+from hlo import classify, collectives, dot_flops
 from layer_helpers import build, compiled_fwd_bwd, weight_shapes
 
 from layers.programs import compile_fwd_bwd
@@ -143,3 +143,21 @@ def test_block_places_its_parameters_without_a_replica(jax_cpu8):
         assert not value.sharding.is_fully_replicated
     assert specs["wi_0"].get_value() == model.layout.w_EMH
     assert np.all(np.isfinite(np.asarray(jax.device_get(model.wo[...]))))
+
+
+@pytest.mark.parametrize("strategy", ["megablox", "dense"])
+def test_gradients_of_replicated_shards_are_summed_after_the_reduce_scatter(jax_cpu8, strategy):
+    """On (data=2, expert=4), gathered: the expert weights rest split 4 ways over
+    expert and alike on both data devices. Their gradients leave by a reduce-scatter
+    over expert and are summed over data on the shard it leaves (E/4 experts), never as
+    the whole gathered gradient of all E experts (4x the bytes) before it."""
+    model, program = compiled(strategy, {"data": 2, "expert": 4}, batch=8, seq=256)
+    experts = model.spec.num_experts
+    assert model.plan.placement.exchange.value == "gather"
+    reduced = [
+        s for op, shapes in collectives(program.as_text()) if op == "all-reduce" for s in shapes
+    ]
+    whole = [s for s in reduced if len(s) == 3 and s[0] == experts]
+    shard = [s for s in reduced if len(s) == 3 and s[0] == experts // 4]
+    assert not whole, f"whole gathered gradients all-reduced: {whole}"
+    assert len(shard) == 3  # wi_0, wi_1, wo: each shard summed over data once

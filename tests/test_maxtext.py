@@ -230,3 +230,40 @@ def test_json_and_subprocess(base):
     assert data["maxtext"]["ignored_count"] > 500
     assert data["maxtext"]["files"][-1].endswith("qwen3-next-80b-a3b.yml")
     assert Path(data["maxtext"]["files"][0]).name == "base.yml"
+
+
+def test_facts_of_mixtral_capacity_and_unmodelled_axes(base, tmp_path):
+    """Four MaxText facts, each from MaxText's own base.yml and one override: capacity
+    on the sparse path (ignored there), capacity at inference, an axis the check does
+    not model, norm_topk_prob=false where MaxText still normalises."""
+    common = ["model_name=mixtral-8x7b", "num_devices=8"]
+    sparse = selector.from_maxtext(base, [*common, "capacity_factor=1.25"])
+    assert "MAXTEXT_SPARSE_IGNORES_CAPACITY" in codes(sparse.findings)
+    assert "MAXTEXT_SPARSE_IGNORES_CAPACITY" not in codes(
+        selector.from_maxtext(base, common).findings
+    )
+    inference = [*common, "sparse_matmul=false", "capacity_factor=1.25"]
+    at_inference = selector.from_maxtext(base, [*inference, "model_call_mode=inference"])
+    assert "MAXTEXT_INFERENCE_CAPACITY" in codes(at_inference.findings)
+    assert "MAXTEXT_INFERENCE_CAPACITY" not in codes(
+        selector.from_maxtext(base, inference).findings
+    )
+    unmodelled = selector.from_maxtext(
+        base, [*common, "ici_fsdp_transpose_parallelism=2", "ici_fsdp_parallelism=4"]
+    )
+    assert "MAXTEXT_AXIS_NOT_MODELLED" in codes(unmodelled.findings)
+    # base.yml itself says norm_topk_prob: false (a note, not a finding); a root config
+    # that says true, overridden to false, is the user's own choice that MaxText ignores.
+    root = tmp_path / "root.yml"
+    root.write_text(Path(base).read_text().replace("norm_topk_prob: false", "norm_topk_prob: true"))
+    moe = [
+        "num_devices=8",
+        "num_experts=8",
+        "num_experts_per_tok=2",
+        "decoder_block=mistral",
+    ]
+    norm = selector.from_maxtext(str(root), [*moe, "norm_topk_prob=false"])
+    assert "MAXTEXT_NORM_TOPK_PROB_IGNORED" in codes(norm.findings)
+    assert "MAXTEXT_NORM_TOPK_PROB_IGNORED" not in codes(
+        selector.from_maxtext(str(root), moe).findings
+    )

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, host_weights, inputs
-from test_layers_routing import ROUTINGS
+from layer_helpers import ROUTINGS, assert_close, build, host_weights, inputs
 
 from layers.maxtext_params import layout_for, load_maxtext, to_maxtext
 from layers.reference import reference_moe

@@ -28,6 +28,18 @@ def _one_per_shard(cfg: Config, dev: PerDevice, note: str):
 
 
 def global_batch_whole(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    if round(dev.global_batch) < 1:  # 1e-12 x 8 devices is "whole" to within rounding
+        return [
+            error(
+                "GLOBAL_BATCH_EMPTY",
+                "per_device_batch_size",
+                f"per_device_batch_size={cfg.per_device_batch_size:g} x {dev.num_devices} "
+                f"devices = {dev.global_batch:.3g} sequences: less than one sequence a step, "
+                "so there is nothing to check. Give at least one sequence in all "
+                f"(per_device_batch_size >= 1/{dev.num_devices}).",
+                [_one_per_shard(cfg, dev, f"global batch {dev.batch_shards}, one per batch shard")],
+            )
+        ]
     if is_whole(dev.global_batch):
         return []
     whole = max(1, round(dev.global_batch)) / dev.num_devices

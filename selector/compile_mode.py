@@ -1,0 +1,250 @@
+"""Compile mode (`compile=true`): the chosen candidate and the runner-up compiled for the
+config's chips, XLA's memory beside the estimate's, and a choice that follows the
+compiled numbers.
+
+The estimate is a fitted model; XLA's memory analysis of the real program is the
+answer. Each compiled candidate's per-device total is counted as the estimate counts
+it (every MoE layer's state at rest plus this block's peak), from XLA's arguments,
+outputs and temp. The choice is made again with the compiled candidates' numbers
+(`policy.choose`, the same rule), compiling any new winner too, so a candidate the
+estimate wrongly ruled out can win and one it wrongly admitted cannot.
+
+The logic here is pure; compiling needs jax and the layers, imported only when the
+check runs (`compile_fn` defaults to `layers.compiled.compile_candidate`). XLA:GPU does
+not refuse a program larger than the GPU, so the comparison with the chip is ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import targets
+from .config import Config, Dispatch, Exchange
+from .cost import Estimate, Memory
+from .findings import Finding, error, errors_in, warning
+from .plan import Candidate, DispatchPlan, analyse
+from .policy import choose
+
+Key = tuple[Dispatch, Exchange]
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CompiledCandidate:
+    """One candidate as estimated and as compiled (bytes per device)."""
+
+    name: str
+    estimate: Estimate
+    compiled: Memory  # XLA's arguments, outputs and temp
+    device_bytes: float  # the state at rest plus the compiled block's peak
+    fits: bool
+    flops: float  # XLA's cost analysis
+    bytes_accessed: float
+    seconds: float  # compile time on this machine
+
+    @property
+    def temp_error(self) -> float:
+        """Estimated temp over compiled, minus one."""
+        return self.estimate.memory.temp / max(self.compiled.temp, 1) - 1
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "estimated": dataclasses.asdict(self.estimate.memory),
+            "estimated_device_bytes": self.estimate.device_bytes,
+            "estimated_fits": self.estimate.fits,
+            "compiled": dataclasses.asdict(self.compiled),
+            "device_bytes": self.device_bytes,
+            "fits": self.fits,
+            "temp_error": self.temp_error,
+            "flops": self.flops,
+            "estimated_flops": self.estimate.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "estimated_hbm_bytes": self.estimate.traffic.hbm,
+            "compile_seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class CompileCheck:
+    """The plan after compiling, and what was compiled."""
+
+    target: str
+    plan: DispatchPlan  # its choice follows the compiled numbers
+    estimated_choice: str  # the choice before compiling
+    compiled: tuple[CompiledCandidate, ...]
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return self.plan.findings
+
+    @property
+    def changed(self) -> bool:
+        return self.plan.chosen_estimate.name != self.estimated_choice
+
+    def as_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "estimated_choice": self.estimated_choice,
+            "choice": self.plan.chosen_estimate.name,
+            "changed": self.changed,
+            "candidates": [c.as_dict() for c in self.compiled],
+        }
+
+
+def _default_compile(config: Config, strategy: Dispatch, exchange: Exchange):
+    from layers.compiled import compile_candidate  # jax only when compiling
+
+    return compile_candidate(config, strategy, exchange)
+
+
+def check(
+    config: Config,
+    live_shape: dict | None = None,
+    *,
+    compile_fn: Callable[[Config, Dispatch, Exchange], Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[DispatchPlan | None, list[Finding], CompileCheck | None]:
+    """(plan, findings, compile check). When the config has errors other than the
+    estimate's MEMORY_EXCEEDED (which compiling may overturn), nothing is compiled and
+    the check is None.
+
+    `compile_fn(config, strategy, exchange)` returns XLA's numbers for one candidate
+    (attributes arguments, outputs, temp, flops, bytes_accessed, seconds); a missing
+    compiler plugin raises `selector.targets.TargetUnavailable` from it."""
+    say = progress or (lambda _: None)
+    plan, findings = analyse(config, live_shape)
+    blocking = [f for f in errors_in(findings) if f.code != "MEMORY_EXCEEDED"]
+    if plan is None or blocking:  # compile what could run; an estimate's misfit may not
+        return plan, findings, None
+    if compile_fn is None:
+        targets.prepare_process(config.hardware.platform, plan.mesh.num_devices)
+        compile_fn = _default_compile
+    estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
+    first: Key = (plan.strategy, plan.placement.exchange)
+    todo = [first]
+    rest = {k: e for k, e in estimates.items() if k != first}
+    if rest:
+        todo.append(choose(config, rest)[0])  # the runner-up: the choice without the first
+    compiled: dict[Key, CompiledCandidate] = {}
+    limit = config.hardware.memory_gib * GIB
+    while todo:
+        key = todo.pop(0)
+        if key in compiled:
+            continue
+        est = estimates[key]
+        say(f"compiling {est.name} for {plan.target} ...")
+        numbers = compile_fn(config, *key)
+        memory = Memory(float(numbers.arguments), float(numbers.outputs), float(numbers.temp))
+        device = dataclasses.replace(est, memory=memory).device_bytes
+        compiled[key] = CompiledCandidate(
+            name=est.name,
+            estimate=est,
+            compiled=memory,
+            device_bytes=device,
+            fits=device <= limit,
+            flops=float(numbers.flops),
+            bytes_accessed=float(numbers.bytes_accessed),
+            seconds=float(numbers.seconds),
+        )
+        say(
+            f"  {est.name}: temp {memory.temp / GIB:.3g} GiB compiled "
+            f"({est.memory.temp / GIB:.3g} estimated), {device / GIB:.3g} GiB a device "
+            f"in all, {numbers.seconds:.0f} s"
+        )
+        if not todo:  # choose again with what compiling showed; compile a new winner
+            winner = choose(config, _with_compiled(estimates, compiled, limit))[0]
+            if winner not in compiled:
+                todo.append(winner)
+    final = _with_compiled(estimates, compiled, limit)
+    (strategy, exchange), reason, verdicts = choose(config, final)
+    new_plan, new_findings = _replan(config, live_shape, plan, (strategy, exchange), reason)
+    extra = _compile_findings(config, plan, compiled, (strategy, exchange))
+    kept = [f for f in new_findings if f.code != "MEMORY_EXCEEDED"]
+    new_findings = kept + extra
+    new_plan = dataclasses.replace(
+        new_plan,
+        candidates=_candidates(plan, final, verdicts, (strategy, exchange)),
+        findings=tuple(new_findings),
+    )
+    result = CompileCheck(
+        target=plan.target,
+        plan=new_plan,
+        estimated_choice=plan.chosen_estimate.name,
+        compiled=tuple(compiled.values()),
+    )
+    return new_plan, new_findings, result
+
+
+def _candidates(plan: DispatchPlan, final, verdicts, chosen: Key) -> tuple[Candidate, ...]:
+    out = []
+    for c in plan.candidates:
+        key = (c.strategy, c.exchange)
+        out.append(Candidate(final[key], c.placement, verdicts[key], key == chosen))
+    return tuple(out)
+
+
+def _with_compiled(estimates, compiled, limit) -> dict[Key, Estimate]:
+    """The estimates with each compiled candidate's memory and fit as compiled."""
+    out = dict(estimates)
+    for key, c in compiled.items():
+        out[key] = dataclasses.replace(c.estimate, memory=c.compiled, fits=c.fits)
+    return out
+
+
+def _replan(config, live_shape, plan: DispatchPlan, chosen: Key, reason: str):
+    """The plan for the compiled choice: the same analysis with that choice forced, so
+    its placement and findings are the forced candidate's; the reason says why."""
+    if chosen == (plan.strategy, plan.placement.exchange):
+        return plan, list(plan.findings)
+    forced = config.replace(dispatch=chosen[0], expert_exchange=chosen[1])
+    new_plan, findings = analyse(forced, live_shape)
+    assert new_plan is not None  # the same config, one candidate forced
+    new_plan = dataclasses.replace(
+        new_plan,
+        requested=plan.requested,
+        reason=f"compiled for {plan.target}: {reason}",
+        candidates=plan.candidates,
+    )
+    return new_plan, findings
+
+
+def _compile_findings(config: Config, plan: DispatchPlan, compiled, chosen: Key) -> list[Finding]:
+    out: list[Finding] = []
+    wrong = [c for c in compiled.values() if c.fits != c.estimate.fits]
+    if wrong:
+        said = "; ".join(
+            f"{c.name} was estimated at {c.estimate.device_bytes / GIB:.3g} GiB a device "
+            f"({'fits' if c.estimate.fits else 'does not fit'}) and compiles to "
+            f"{c.device_bytes / GIB:.3g} GiB ({'fits' if c.fits else 'does not fit'})"
+            for c in wrong
+        )
+        out.append(
+            warning(
+                "COMPILED_FIT_DIFFERS",
+                "compile",
+                f"Compiling for {plan.target} showed the estimate wrong about what fits in "
+                f"the {config.hardware.memory_gib:g} GiB of a {config.hardware.name}: {said}. "
+                f"The choice follows the compiled numbers: {compiled[chosen].name}.",
+            )
+        )
+    c = compiled[chosen]
+    if not c.fits:
+        out.append(
+            error(
+                "COMPILED_MEMORY_EXCEEDED",
+                "compile",
+                f"{c.name} compiled for {plan.target} needs {c.device_bytes / GIB:.3g} GiB "
+                f"per device ({c.compiled.temp / GIB:.3g} GiB of it the block's temporaries, "
+                f"{c.estimate.state_bytes / GIB:.3g} GiB every MoE layer's state at rest), "
+                f"more than the {config.hardware.memory_gib:g} GiB of a "
+                f"{config.hardware.name}, and no compiled candidate fits. Shard the state "
+                "over more devices (more fsdp or expert devices), lower "
+                "per_device_batch_size or raise cp, or store weights in bfloat16 "
+                "(param_dtype=bfloat16).",
+            )
+        )
+    return out
