@@ -173,6 +173,13 @@ def holdout_points(target: str) -> list[Point]:
     return pts
 
 
+SELECTED_MODES = MODES
+
+
+def selected(points: list[Point]) -> list[Point]:
+    return [p for p in points if p.mode in SELECTED_MODES]
+
+
 def provisional_calibration(target: str) -> None:
     """Zero coefficients, in this process only, for keys the target has not been fitted
     for yet: a point's hand counts need a plan, and a plan prices every candidate. The
@@ -330,7 +337,7 @@ COMPILERS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
         "--target", choices=sorted(TARGETS), default="cpu", help="the compiler to fit"
     )
@@ -344,7 +351,15 @@ def main() -> None:
         "--write", action="store_true", help="write the fit to selector/memory_calibration.json"
     )
     parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated modes to fit (default: all); --write then replaces only "
+        "those modes' coefficients",
+    )
     args = parser.parse_args()
+    global SELECTED_MODES  # noqa: PLW0603 - one run, one selection, read by the point lists
+    SELECTED_MODES = tuple(m for m in MODES if m in args.modes.split(","))
     study = study_name(args.target)
     if args.replot:
         payload = load(study)
@@ -355,18 +370,18 @@ def main() -> None:
         stored = load(study)
         report(
             args.target,
-            repredicted(fit_points(args.target), stored["rows"]),
-            repredicted(holdout_points(args.target), stored["holdout_rows"]),
+            repredicted(selected(fit_points(args.target)), stored["rows"]),
+            repredicted(selected(holdout_points(args.target)), stored["holdout_rows"]),
             args.write,
         )
         return
     stored = load(study) if args.only else {}
     rows, held = [], []
     for name, points, sink, kept in (
-        ("fit", fit_points(args.target), rows, StoredRows(stored.get("rows"), args.only)),
+        ("fit", selected(fit_points(args.target)), rows, StoredRows(stored.get("rows"), args.only)),
         (
             "held out",
-            holdout_points(args.target),
+            selected(holdout_points(args.target)),
             held,
             StoredRows(stored.get("holdout_rows"), args.only),
         ),
@@ -390,11 +405,12 @@ def repredicted(points: list[Point], rows: list[dict]) -> list[dict]:
 
 
 def write_calibration(target: str, calibration: dict) -> None:
-    """Replace the target's families in the calibration file, keep the others."""
+    """Replace the target's families (the selected modes) in the calibration file, keep
+    the others."""
     kept = {
         k: v
         for k, v in json.loads(CALIBRATION_FILE.read_text()).items()
-        if k.split()[0] not in TARGET_FAMILIES[target]
+        if k.split()[0] not in TARGET_FAMILIES[target] or k.split()[1] not in SELECTED_MODES
     }
     merged = {**kept, **calibration}
     assert {k.split()[0] for k in merged} <= set(FAMILIES)
@@ -436,7 +452,8 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
 
 
 def study_name(target: str) -> str:
-    return f"calibrate_{target}"
+    modes = "" if SELECTED_MODES == MODES else "_" + "_".join(SELECTED_MODES)
+    return f"calibrate_{target}{modes}"
 
 
 if __name__ == "__main__":

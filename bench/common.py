@@ -253,7 +253,7 @@ def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | Non
 
     `options` maps a flag name to argparse keywords (`runs={"type": int, "default": 3}`).
     """
-    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     for name, keywords in options.items():
         parser.add_argument(f"--{name}", **keywords)

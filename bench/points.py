@@ -115,7 +115,7 @@ def predicted(point: Point) -> dict:
 def measure(point: Point) -> dict:
     """Compile the point for its chips and return XLA's numbers next to the selector's."""
     cfg, plan = planned(point)
-    program, target, seconds = compile_plan(cfg, plan, target_of(cfg, point.devices))
+    _, program, target, seconds = compile_plan(cfg, plan, target_of(cfg, point.devices))
     compiled = read(program, plan.chosen_estimate.name, target, seconds)
     return {
         "point": point.label(),

@@ -132,10 +132,13 @@ def gmm_section(g: dict) -> list[str]:
 
 
 def main() -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     out = []
     for study, section in (
         ("memory", memory_section),
-        ("calibrate", calibrate_section),
+        ("calibrate_cpu_train", calibrate_section),
         ("scale", scale_section),
         ("train_memory", train_section),
         ("speed", speed_section),

@@ -16,15 +16,24 @@ the selector prices that (see selector/cost.py).
     python -m bench.scale            # writes bench/results/scale.json and .png
     python -m bench.scale --quick    # 8192 tokens only
     python -m bench.scale --only all_to_all   # compile the exchanged points again
+
+With --target tpu or gpu the same layers are compiled ahead of time by the compilers
+users train with (nothing runs): XLA:TPU for v5p slices (fsdp=8 x context=cp, 8 to 64
+chips) and XLA:GPU for H200 nodes (fsdp=2 x context=cp, 2 to 16 GPUs: one host up to 8,
+two hosts at 16), sequences of 8192; writes scale_tpu / scale_gpu.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from bench.common import use_cpu_devices
 
 use_cpu_devices(64)
+if "--target" in sys.argv:  # abstract TPU and GPU devices need only JAX's CPU backend
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench.common import (  # noqa: E402
     ONLY_HELP,
@@ -49,6 +58,39 @@ SPLITS = {
     "data2_fsdp2_expert2": {"data": 2, "fsdp": 2, "expert": 2},
 }
 CPS = (1, 2, 4, 8)
+# The compilers users train with: (hardware preset, the split cp multiplies).
+TARGET_SPLITS = {
+    "tpu": ("v5p", "fsdp8", {"fsdp": 8}),
+    "gpu": ("h200", "fsdp2", {"fsdp": 2}),
+}
+COMPILERS = {
+    "cpu": "XLA:CPU, 64 simulated devices",
+    "tpu": "XLA:TPU (libtpu), v5p slices of 8-64 chips, ahead of time",
+    "gpu": "XLA:GPU (JAX's CUDA plugin), H200 nodes of 2-16 GPUs (two hosts at 16), ahead of time",
+}
+
+
+def target_points(target: str) -> list[tuple[str, str, Point]]:
+    hardware, split, base = TARGET_SPLITS[target]
+    out = []
+    for model in MODELS:
+        for cp in CPS:
+            for exchange in ("gather", "all_to_all"):
+                if exchange == "all_to_all" and cp == 1:
+                    continue  # no expert group to exchange over
+                point = Point(
+                    "megablox",
+                    {**base, "context": cp},
+                    8192,
+                    exchange=exchange,
+                    dtype="bfloat16",
+                    param_dtype="bfloat16",
+                    model=model,
+                    hardware=hardware,
+                    **MODELS[model],
+                )
+                out.append((model, split, point))
+    return out
 
 
 def points(seqs) -> list[tuple[str, str, Point]]:
@@ -122,7 +164,7 @@ def plot(payload: dict):
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         seq = max(r["seq"] for r in rows if r["model"] == model)
-        for split in SPLITS:
+        for split in sorted({r["split"] for r in rows}):
             for exchange, style in (("gather", "o-"), ("all_to_all", "s--")):
                 pts = [
                     r
@@ -146,9 +188,9 @@ def plot(payload: dict):
                 )
         ax.set(
             yscale="log",
-            xlabel="context parallelism cp (devices = 8 x cp)",
+            xlabel="context parallelism cp (devices = the split's x cp)",
             ylabel="arguments + temp GiB per device",
-            title=f"{model}, seq {seq}, bf16 (x: selector)",
+            title=f"{model}, seq {seq}, bf16 (x: selector)\n{payload.get('compiler', COMPILERS['cpu'])}",
         )
         log_x_axis(ax, CPS)
         ax.legend(fontsize=7)
@@ -163,7 +205,7 @@ def summarise(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--quick", action="store_true", help="8192 tokens only")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
@@ -172,7 +214,12 @@ def main() -> None:
         help="recompute the selector's predictions from the JSON (after a new calibration)",
     )
     parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
+    parser.add_argument(
+        "--target", choices=("tpu", "gpu"), help="compile for v5p slices or H200 nodes instead"
+    )
     args = parser.parse_args()
+    if args.target:
+        return run_target(args.target, args.only)
     if args.replot or args.repredict:
         payload = load("scale")
         if args.repredict:  # the selector's side again, from each point's config
@@ -200,6 +247,25 @@ def main() -> None:
     summarise(rows)
     payload = {"rows": rows, "models": MODELS, "splits": SPLITS, "seqs": list(seqs)}
     print("wrote", *save("scale" if not args.quick else "scale_quick", payload, plot(payload)))
+
+
+def run_target(target: str, only: str | None) -> None:
+    study = f"scale_{target}"
+    todo = target_points(target)
+    stored = StoredRows(load(study)["rows"] if only else None, only)
+    rows = []
+    for i, (model, split, point) in enumerate(todo):
+        rows.append(stored.take(point.label()) or row(model, split, point, measure(point)))
+        r = rows[-1]
+        print(
+            f"[{i + 1}/{len(todo)}] {point.label()}: args {r['arguments_mib']:.0f} MiB "
+            f"({r['arguments_error']}), temp {r['temp_mib']:.0f} MiB ({r['temp_error']})",
+            flush=True,
+        )
+    print(f"compiled by {COMPILERS[target]}")
+    summarise(rows)
+    payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
+    print("wrote", *save(study, payload, plot(payload)))
 
 
 if __name__ == "__main__":

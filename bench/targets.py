@@ -108,22 +108,16 @@ def overrides(platform, dims, mesh, dispatch, exchange, backend) -> list[str]:
 
 
 def compile_block(platform, dims, mesh, dispatch, exchange, backend):
-    from flax import nnx
-
-    import layers
     import selector
-    from layers.programs import compile_fwd_bwd
+    from layers.compiled import compile_plan
     from selector import targets
 
     target = targets.Target(HARDWARE[platform], math.prod(mesh.values()))
-    cfg = selector.compose(overrides(platform, dims, mesh, dispatch, exchange, backend))
-    devices = layers.make_mesh(mesh, target.devices())
-    block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=devices, rngs=nnx.Rngs(0)))
-    start = time.perf_counter()
-    program = compile_fwd_bwd(
-        block, dims["batch"], dims["seq"], compiler_options=target.compile_options()
+    cfg = selector.to_config(
+        selector.compose(overrides(platform, dims, mesh, dispatch, exchange, backend))
     )
-    return block, program, time.perf_counter() - start
+    block, program, _, seconds = compile_plan(cfg, selector.resolve(cfg, mesh), target)
+    return block, program, seconds
 
 
 def routed_group_sizes(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:

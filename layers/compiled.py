@@ -50,9 +50,10 @@ def target_of(config: selector.Config, num_devices: int) -> targets.Target:
 
 
 def compile_plan(cfg: Any, plan: selector.DispatchPlan, target: targets.Target | None = None):
-    """The compiled program of `plan`'s block for `cfg` on `target` (default: the chips
-    the config names). The plan may carry errors (a candidate the estimate says does not
-    fit is compiled all the same: that is what the check is for)."""
+    """(abstract block, compiled program, target, seconds) of `plan`'s block for `cfg`
+    on `target` (default: the chips the config names), at the plan's global batch and
+    sequence. The plan may carry errors (a candidate the estimate says does not fit is
+    compiled all the same: that is what the check is for)."""
     from flax import nnx
 
     from .moe import MoEBlock
@@ -72,7 +73,7 @@ def compile_plan(cfg: Any, plan: selector.DispatchPlan, target: targets.Target |
     else:
         program = compile_forward(block, batch, dev.seq_len, compiler_options=options)
     seconds = time.perf_counter() - start
-    return program, target, seconds
+    return block, program, target, seconds
 
 
 def read(program, name: str, target: targets.Target, seconds: float) -> CompiledBlock:
@@ -125,5 +126,5 @@ def compile_candidate(
     plan, findings = analyse_any(config)
     if plan is None:
         raise selector.ConfigError(findings)
-    program, target, seconds = compile_plan(config, plan, target)
+    _, program, target, seconds = compile_plan(config, plan, target)
     return read(program, plan.chosen_estimate.name, target, seconds)

@@ -11,6 +11,7 @@ Exit status: 0 no errors (warnings allowed), 1 validation errors, 2 unusable inp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -27,7 +28,7 @@ from .api import analyse_any
 from .compose import compose, override_key, to_config
 from .config import OutputFormat
 from .findings import ConfigError, errors_in, shown
-from .maxtext import MaxTextError, from_maxtext
+from .maxtext import MaxTextError, from_maxtext, route_fixes
 from .report import render_json, render_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -238,8 +239,9 @@ def report(config, plan, findings, *, overrides, job=None, maxtext=None, compile
     return EXIT_INVALID if errors_in(findings) else EXIT_OK
 
 
-def maxtext_main(overrides: list[str], multirun: bool) -> int:
-    """`maxtext_config=PATH [key=value ...]`: check a MaxText config as it is."""
+def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = None) -> int:
+    """`maxtext_config=PATH [key=value ...]`: check a MaxText config as it is (with
+    `--cfg job`, print the config it imports instead)."""
     if multirun:
         raise _Usage(
             "-m cannot be combined with maxtext_config=; the MaxText route takes key=value "
@@ -252,7 +254,14 @@ def maxtext_main(overrides: list[str], multirun: bool) -> int:
     except (MaxTextError, ConfigError, ValueError, TypeError) as exc:
         message = explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc)
         raise _Usage(message) from None
+    if show_cfg:
+        _emit(OmegaConf.to_yaml(OmegaConf.structured(imported.config)))
+        return EXIT_OK
     plan, findings, compiled = analysed(imported.config)
+    findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])
+    if plan is not None:
+        reason = imported.explain_reason(plan.reason)
+        plan = dataclasses.replace(plan, findings=tuple(findings), reason=reason)
     return report(
         imported.config,
         plan,
@@ -266,7 +275,7 @@ def maxtext_main(overrides: list[str], multirun: bool) -> int:
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if any(a.startswith("maxtext_config=") for a in args.overrides):
-        return maxtext_main(args.overrides, args.multirun)
+        return maxtext_main(args.overrides, args.multirun, args.cfg)
     todo = jobs(args.overrides, args.multirun)
     composed = [(lines, _compose(lines)) for lines in todo]  # every job, before any report
     if args.cfg:

@@ -57,6 +57,7 @@ class Finding:
     message: str  # one paragraph: what, the numbers, the fix
     fixes: tuple[Fix, ...] = ()  # verified overrides, each removing this finding
     tail: str = ""  # advice after the fixes (appended to the message once verified)
+    base: str = ""  # the message before its fixes were spelled into it
 
     def __str__(self) -> str:
         return f"[{self.severity.value}] {self.code} ({self.setting}): {self.message}"
@@ -71,13 +72,15 @@ class Finding:
         }
 
     def with_fixes(self, verified: tuple[Fix, ...]) -> Finding:
-        """The finding with only the verified fixes, spelled out in its message."""
-        text = self.message
+        """The finding with only the verified fixes, spelled out in its message (a
+        finding whose fixes were spelled already is spelled again from its base)."""
+        base = self.base or self.message
+        text = base
         if verified:
             text += " Fix: " + "; or ".join(f.text() for f in verified) + "."
         if self.tail:
             text += " " + self.tail
-        return Finding(self.code, self.severity, self.setting, text, verified)
+        return Finding(self.code, self.severity, self.setting, text, verified, self.tail, base)
 
 
 def shown(text, limit: int = 120) -> str:

@@ -37,11 +37,12 @@ from .config import (
     Mode,
     OutputFormat,
 )
-from .findings import Finding, fix, warning
+from .findings import Finding, Fix, fix, render_value, warning
 from .maxtext_facts import facts, ignored_that_matter, mode_of
 from .maxtext_files import (
     MaxTextError,
     coerce,
+    custom_mesh_and_rule,
     load_chain,
     load_yaml,
     merged_rules,
@@ -88,6 +89,7 @@ OWN_KEYS = (
 )
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
+    "custom_mesh_and_rule",
     "sparse_matmul",
     "megablox",
     "model_call_mode",
@@ -129,6 +131,17 @@ class MaxTextImport:
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     relevant_ignored: list[str] = field(default_factory=list)
+    dispatch_source: str = ""  # the MaxText setting that decides the dispatch, and where
+
+    def explain_reason(self, reason: str) -> str:
+        """The plan's reason with the dispatch's true origin: a dispatch read from
+        MaxText's sparse_matmul in base.yml was not 'requested explicitly'."""
+        prefix = "requested explicitly with dispatch="
+        if not reason.startswith(prefix) or not self.dispatch_source:
+            return reason
+        rest = reason[len(prefix) :].split(";", 1)
+        tail = f";{rest[1]}" if len(rest) > 1 else ""
+        return f"MaxText runs {rest[0]}: {self.dispatch_source}{tail}"
 
     def as_dict(self) -> dict:
         return {
@@ -158,6 +171,35 @@ def _dispatch(raw: dict, sparse: bool) -> Dispatch:
         return Dispatch.megablox
     cf = coerce("capacity_factor", raw.get("capacity_factor", -1.0), float)
     return Dispatch.subgroup_capacity if cf > 0 else Dispatch.dense
+
+
+def _origin(key: str, over: dict, each: list[dict], files: list[Path]) -> str:
+    """Where `key`'s value comes from: the user's override or the last file setting it."""
+    if key in over:
+        return "from your override"
+    for data, path in zip(reversed(each), reversed(files), strict=True):
+        if key in data:
+            return (
+                f"from {path.parent.name}/{path.name}"
+                if path.parent.name != "configs"
+                else f"from {path.name}"
+            )
+    return "MaxText's default"
+
+
+def _dispatch_source(
+    raw: dict, over: dict, each: list[dict], files: list[Path], sparse: bool
+) -> str:
+    if "dispatch" in raw:
+        return f"dispatch={raw['dispatch']} {_origin('dispatch', over, each, files)}"
+    where = _origin("sparse_matmul", over, each, files)
+    if sparse:
+        return f"sparse_matmul=true ({where}) runs its dropless grouped matmul"
+    cf = raw.get("capacity_factor", -1.0)
+    return (
+        f"sparse_matmul=false ({where}) runs its einsum path with capacity_factor={cf} "
+        f"({_origin('capacity_factor', over, each, files)})"
+    )
 
 
 def _hardware(raw: dict, conf_dir: Path, notes: list[str]) -> Hardware:
@@ -258,6 +300,7 @@ def from_maxtext(
     sparse = coerce("sparse_matmul", raw.get("sparse_matmul", True), bool)
     megablox = coerce("megablox", raw.get("megablox", True), bool)
     values["dispatch"] = _dispatch(raw, sparse)
+    dispatch_source = _dispatch_source(raw, over, each, files, sparse)
     values["mode"] = mode_of(raw) or Mode.train
     if "mode" in raw:
         values["mode"] = coerce("mode", raw["mode"], Mode)
@@ -270,7 +313,16 @@ def from_maxtext(
             values[key] = coerce(key, raw[key], kind)
     values["model_name"] = str(model_name or "maxtext")
     dropped: list[str] = []
-    values["axis_rules"] = axis_rules(merged_rules(each, over, raw), dropped)
+    custom, custom_path = custom_mesh_and_rule(raw, files)
+    if custom_path is not None:  # MaxText replaces the rules wholesale with the file's
+        notes.append(
+            f"custom_mesh_and_rule={raw['custom_mesh_and_rule']}: mesh axes and "
+            f"logical_axis_rules read from {custom_path.parent.name}/{custom_path.name}."
+        )
+    rules = custom["logical_axis_rules"] if "logical_axis_rules" in custom else None
+    values["axis_rules"] = axis_rules(
+        rules if rules is not None else merged_rules(each, over, raw), dropped
+    )
     values["hardware"] = _hardware(raw, conf_dir, notes)
     values["capacity_rounding"] = CapacityRounding.maxtext
     base = each[0]  # MaxText's own defaults (the root of the chain)
@@ -297,7 +349,9 @@ def from_maxtext(
     used = set(DIRECT_KEYS) | set(PARALLELISM_KEYS) | set(OWN_KEYS) | set(READ_KEYS)
     ignored = sorted(k for k in raw if k not in used)
     relevant = ignored_that_matter(raw, used, base)
-    return MaxTextImport(cfg, ignored, found, [str(f) for f in files], notes, relevant)
+    return MaxTextImport(
+        cfg, ignored, found, [str(f) for f in files], notes, relevant, dispatch_source
+    )
 
 
 def _expert_axis(cfg: Config) -> int:
@@ -305,3 +359,54 @@ def _expert_axis(cfg: Config) -> int:
 
 
 __all__ = ["MaxTextError", "MaxTextImport", "fix", "from_maxtext", "parse_overrides"]
+
+
+# Our setting -> MaxText's key, for fixes offered on the MaxText route.
+MAXTEXT_SPELLING = {ours: theirs for theirs, ours in DIRECT_KEYS.items()}
+
+
+def spelled_for_maxtext(fix_: Fix) -> Fix | None:
+    """A fix in MaxText's keys (`weight_dtype`, not `param_dtype`), or None when one of
+    its settings has no MaxText key (axis_rules.*: MaxText spells those as
+    logical_axis_rules, which a one-line override cannot change safely)."""
+    spelled = []
+    for key, value in fix_.overrides:
+        if key in MAXTEXT_SPELLING:
+            spelled.append((MAXTEXT_SPELLING[key], value))
+        elif key in OWN_KEYS or key in PARALLELISM_KEYS:
+            spelled.append((key, value))
+        else:
+            return None
+    return Fix(tuple(spelled), fix_.note)
+
+
+def route_fixes(
+    findings: list[Finding], path: str, overrides: Sequence[str], analyse
+) -> list[Finding]:
+    """The findings with their fixes spelled in MaxText's keys, each kept only if the
+    MaxText route itself accepts it: applied as one more `key=value` to the same file,
+    the finding goes away and no new error appears (`analyse(config)` gives the
+    findings of an imported config)."""
+    before = {f.code for f in findings if f.severity.value == "error"}
+    out = []
+    for finding in findings:
+        if not finding.fixes:
+            out.append(finding)
+            continue
+        good = []
+        for candidate in finding.fixes:
+            spelled = spelled_for_maxtext(candidate)
+            if spelled is None:
+                continue
+            extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
+            try:
+                imported = from_maxtext(path, [*overrides, *extra])
+                after = imported.findings + analyse(imported.config)
+            except (MaxTextError, ValueError, TypeError):
+                continue
+            codes = {f.code for f in after}
+            new_errors = {f.code for f in after if f.severity.value == "error"} - before
+            if finding.code not in codes and not new_errors:
+                good.append(spelled)
+        out.append(finding.with_fixes(tuple(good)))
+    return out

@@ -75,19 +75,58 @@ def load_yaml(path: Path) -> dict:
     return data
 
 
+def configs_dir(path: Path) -> Path | None:
+    """MaxText's configs folder for a file in its tree: the nearest folder at or above
+    the file's that holds base.yml (MaxText 0.2.5 resolves a relative base_config there
+    when it is not beside the file, and reads custom_mesh_and_rule/ from it)."""
+    for folder in path.resolve().parents:
+        if (folder / "base.yml").is_file():
+            return folder
+    return None
+
+
 def load_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path], list[dict]]:
     """The file merged over its base_config chain; the files, root base first; and each
     file's own keys, in the same order (each file is parsed once: MaxText's base.yml
-    takes about 55 ms to parse here)."""
+    takes about 55 ms to parse here). A relative base_config is looked for beside the
+    file, then in MaxText's configs folder, as MaxText 0.2.5's pyconfig does."""
     path = path.resolve()
     if path in seen:
-        raise MaxTextError(f"base_config loop through {str(path)!r}; break the cycle.")
+        raise MaxTextError(f"base_config loop through {shown(repr(str(path)))}; break the cycle.")
     data = load_yaml(path)
     base = data.get("base_config")
     if not base:
         return data, [path], [data]
-    parent, files, each = load_chain(path.parent / str(base), (*seen, path))
+    parent_path = path.parent / str(base)
+    folder = configs_dir(path)
+    if not parent_path.is_file() and not Path(str(base)).is_absolute() and folder is not None:
+        if (folder / str(base)).is_file():
+            parent_path = folder / str(base)
+    parent, files, each = load_chain(parent_path, (*seen, path))
     return {**parent, **data}, [*files, path], [*each, data]
+
+
+def custom_mesh_and_rule(raw: dict, files: list[Path]) -> tuple[dict, Path | None]:
+    """MaxText 0.2.5's custom_mesh_and_rule=NAME: configs/custom_mesh_and_rule/NAME.yml
+    replaces mesh_axes, logical_axis_rules and data_sharding (its types.py). Returns the
+    replaced keys and the file read (none when the switch is off)."""
+    name = str(raw.get("custom_mesh_and_rule") or "")
+    if not name:
+        return {}, None
+    folder = configs_dir(files[0])
+    choices = (
+        sorted(p.stem for p in (folder / "custom_mesh_and_rule").glob("*.yml")) if folder else []
+    )
+    if name not in choices:
+        raise MaxTextError(
+            f"custom_mesh_and_rule={shown(repr(name))} names no file in MaxText's "
+            f"custom_mesh_and_rule/ folder ({', '.join(choices) or 'not found beside base.yml'}); "
+            "give one of those names."
+        )
+    path = folder / "custom_mesh_and_rule" / f"{name}.yml"
+    data = load_yaml(path)
+    keys = ("mesh_axes", "logical_axis_rules", "data_sharding")
+    return {k: data[k] for k in keys if k in data}, path
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ PARTS = (
     "masks",
     "masks_k",
     "weights",
+    "cast",
     "gathered",
     "reduced",
     "expert",
@@ -75,6 +76,9 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
     else:
         choices = p.T * p.k * 4 * (1 if routed else 0)  # sort order and its inverse
     weights = compute_weight_elements(strategy, p) * p.xb
+    # A cast to the compute dtype makes a copy of its own; in their own dtype the
+    # matmuls may read the parameters where they rest (a layout change aside).
+    cast = weights if p.pb != p.xb else 0.0
     return {
         "tokens": p.T * p.M * p.xb,
         "rows_m": n * p.M * p.xb,
@@ -84,6 +88,7 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
         "masks": p.T * p.E * p.C * p.xb if capacity_path else 0.0,
         "masks_k": p.T * p.k * p.E * p.C * p.xb if capacity_path else 0.0,
         "weights": weights,
+        "cast": cast,
         "gathered": weights if p.gathered > 1 else 0.0,
         "reduced": weights if p.replicas > 1 and p.train else 0.0,
         "expert": 3 * p.M * p.H * 4 if strategy is Dispatch.megablox and p.train else 0.0,

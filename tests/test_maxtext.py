@@ -267,3 +267,82 @@ def test_facts_of_mixtral_capacity_and_unmodelled_axes(base, tmp_path):
     assert "MAXTEXT_NORM_TOPK_PROB_IGNORED" not in codes(
         selector.from_maxtext(str(root), moe).findings
     )
+
+
+# Files under MaxText's configs/ that are not run configs, and why.
+NOT_RUN_CONFIGS = {
+    "custom_mesh_and_rule": "mesh-and-rule fragments, read through custom_mesh_and_rule=NAME",
+}
+
+
+def test_every_shipped_yaml_goes_through_the_route(maxtext_dir, capsys):
+    """Every YAML MaxText 0.2.5 ships under configs/ that describes a run (training,
+    inference, post-training, GPU and TPU variants; base_config chains resolved beside
+    the file, then in MaxText's configs folder) gives a report: exit 0 or 1, never 2,
+    never a traceback."""
+    from selector.cli import main
+
+    root = maxtext_dir / "configs"
+    files = sorted(root.rglob("*.yml"))
+    chained = [f for f in files if "base_config:" in f.read_text()]
+    assert len(files) == 129 and len(chained) == 38
+    run = [f for f in files if f.relative_to(root).parts[0] not in NOT_RUN_CONFIGS]
+    failed = {}
+    for path in run:
+        status = main([f"maxtext_config={path}", "num_devices=8"])
+        out = capsys.readouterr()
+        if status not in (0, 1) or "Traceback" in out.out + out.err:
+            failed[str(path.relative_to(root))] = out.err.strip()[:200]
+    assert not failed, failed
+
+
+def test_custom_mesh_and_rule_is_read_as_maxtext_reads_it(base):
+    """cp-as-ep (MaxText's switch that folds the context devices into the expert
+    group): its file's logical_axis_rules replace base.yml's, so the experts rest over
+    context and expert; an unknown name is an error naming the files there."""
+    common = ["model_name=qwen3-30b-a3b", "num_devices=8", "ici_context_parallelism=4"]
+    plain = selector.from_maxtext(base, [*common, "ici_fsdp_parallelism=2"])
+    folded = selector.from_maxtext(
+        base, [*common, "ici_fsdp_parallelism=2", "custom_mesh_and_rule=cp-as-ep"]
+    )
+    assert plain.config.axis_rules.experts == ["expert"]
+    assert folded.config.axis_rules.experts == ["context", "expert"]
+    assert any("cp-as-ep.yml" in n for n in folded.notes)
+    with pytest.raises(selector.MaxTextError, match="cp-as-ep"):
+        selector.from_maxtext(base, [*common, "custom_mesh_and_rule=nope"])
+
+
+def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
+    """DeepSeek-V3 on 256 devices with base.yml's float32 weights: the memory fix is
+    weight_dtype=bfloat16 (MaxText's key), and applying it on the same route clears the
+    finding."""
+    from selector.cli import main
+
+    args = [f"maxtext_config={base}", "model_name=deepseek3-671b", "num_devices=256"]
+    imported = selector.from_maxtext(base, args[1:])
+    plan, found = selector.api.analyse_any(imported.config)
+    from selector.maxtext import route_fixes
+
+    spelled = route_fixes(found, base, args[1:], lambda c: selector.api.analyse_any(c)[1])
+    memory = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
+    if memory:
+        rendered = [x.render() for x in memory[0].fixes]
+        assert all("param_dtype" not in r for r in rendered)
+        assert any("weight_dtype=bfloat16" in r for r in rendered)
+        assert main([*args, "weight_dtype=bfloat16"]) in (0, 1)
+    for f in spelled:
+        for x in f.fixes:
+            for key, _ in x.overrides:
+                assert not key.startswith("axis_rules"), f.code
+
+
+def test_the_reason_says_where_the_dispatch_came_from(base):
+    """A dispatch read from base.yml's sparse_matmul is not 'requested explicitly'."""
+    imported = selector.from_maxtext(base, ["model_name=qwen3-30b-a3b", "num_devices=8"])
+    reason = imported.explain_reason("requested explicitly with dispatch=megablox; x")
+    assert reason == (
+        "MaxText runs megablox: sparse_matmul=true (from base.yml) runs its dropless "
+        "grouped matmul; x"
+    )
+    mine = selector.from_maxtext(base, ["num_devices=8", "sparse_matmul=false"])
+    assert "sparse_matmul=false (from your override)" in mine.dispatch_source

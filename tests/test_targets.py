@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from flax import nnx
 from hlo import collectives, dot_flops
 
 import layers
 import selector
-from layers.programs import compile_forward, compile_fwd_bwd
+from layers.compiled import compile_plan
 from selector import targets
 
 EMB, HIDDEN, EXPERTS, TOP_K = 128, 384, 8, 2
@@ -97,12 +96,8 @@ def build(platform, mode, dispatch, exchange, backend, dtype, mesh_sizes=None):
             *(["allow_local_batch_inflation=true"] if mesh_sizes else []),
         ]
     )
-    block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
-    options = TARGETS[platform].compile_options()
-    if mode == "train":
-        program = compile_fwd_bwd(block, batch, seq, compiler_options=options)
-    else:
-        program = compile_forward(block, batch, seq, compiler_options=options)
+    plan = selector.resolve(cfg, mesh)
+    block, program, _, _ = compile_plan(cfg, plan, TARGETS[platform])
     return block, program, batch, seq
 
 
