@@ -219,6 +219,12 @@ def analysed(config, *, live_shape=None):
         return check(config, live_shape, progress=progress)
     except TargetUnavailable as exc:
         raise _Usage(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a compiler failure is reported, not raised
+        raise _Usage(
+            f"compile=true could not compile for {config.hardware.name} "
+            f"({type(exc).__name__}: {shown(_first_line(exc), 300)}). The estimate-only "
+            "check runs without compile=true."
+        ) from None
 
 
 def report(config, plan, findings, *, overrides, job=None, maxtext=None, compiled=None) -> int:

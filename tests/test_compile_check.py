@@ -7,10 +7,12 @@ The CPU cases compile on this process's 8 simulated devices; the TPU case compil
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from subproc import ROOT
 
 import selector
 from selector.compile_mode import check
@@ -148,6 +150,7 @@ def test_cli_compiles_for_v5p_and_reports_both(tmp_path):
         text=True,
         timeout=600,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "compiling" in out.stderr and "Traceback" not in out.stderr
