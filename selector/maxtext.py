@@ -38,7 +38,7 @@ from .config import (
     OutputFormat,
 )
 from .findings import Finding, Fix, fix, render_value, warning
-from .maxtext_facts import facts, ignored_that_matter, mode_of
+from .maxtext_facts import facts, ignored_that_matter, megablox_note, mode_of
 from .maxtext_files import (
     MaxTextError,
     coerce,
@@ -335,6 +335,9 @@ def from_maxtext(
         cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
+    note = megablox_note(mesh, sparse)
+    if note:
+        notes.append(note)
     if dropped:
         found.append(
             warning(
