@@ -233,9 +233,16 @@ def main() -> None:
         return
     assert device_count() == 64, "bench.scale needs 64 simulated devices"
     seqs = (8192,) if args.quick else (8192, 32768)
+    rows = compile_all(points(seqs), "scale", args.only)
+    summarise(rows)
+    payload = {"rows": rows, "models": MODELS, "splits": SPLITS, "seqs": list(seqs)}
+    print("wrote", *save("scale" if not args.quick else "scale_quick", payload, plot(payload)))
+
+
+def compile_all(todo, study: str, only: str | None) -> list[dict]:
+    """Each point's row: compiled now, or (under --only) taken from the study's JSON."""
+    stored = StoredRows(load(study)["rows"] if only else None, only)
     rows = []
-    todo = points(seqs)
-    stored = StoredRows(load("scale")["rows"] if args.only else None, args.only)
     for i, (model, split, point) in enumerate(todo):
         rows.append(stored.take(point.label()) or row(model, split, point, measure(point)))
         r = rows[-1]
@@ -244,9 +251,7 @@ def main() -> None:
             f"({r['arguments_error']}), temp {r['temp_mib']:.0f} MiB ({r['temp_error']})",
             flush=True,
         )
-    summarise(rows)
-    payload = {"rows": rows, "models": MODELS, "splits": SPLITS, "seqs": list(seqs)}
-    print("wrote", *save("scale" if not args.quick else "scale_quick", payload, plot(payload)))
+    return rows
 
 
 def run_target(target: str, only: str | None, repredict: bool = False) -> None:
@@ -263,16 +268,7 @@ def run_target(target: str, only: str | None, repredict: bool = False) -> None:
         payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
         print("wrote", *save(study, payload, plot(payload)))
         return
-    stored = StoredRows(load(study)["rows"] if only else None, only)
-    rows = []
-    for i, (model, split, point) in enumerate(todo):
-        rows.append(stored.take(point.label()) or row(model, split, point, measure(point)))
-        r = rows[-1]
-        print(
-            f"[{i + 1}/{len(todo)}] {point.label()}: args {r['arguments_mib']:.0f} MiB "
-            f"({r['arguments_error']}), temp {r['temp_mib']:.0f} MiB ({r['temp_error']})",
-            flush=True,
-        )
+    rows = compile_all(todo, study, only)
     print(f"compiled by {COMPILERS[target]}")
     summarise(rows)
     payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
