@@ -299,8 +299,37 @@ def override_problem(argv: list[str]) -> str | None:
     return None
 
 
+def compose_problem(argv: list[str]) -> str | None:
+    """One paragraph when the overrides do not compose into this app's config (a value
+    of the wrong type, a number past any size, a value nested past the recursion
+    limit), checked before Hydra runs the app (whose own report is a traceback for the
+    last two). Sweeps (-m) are left to Hydra."""
+    if any(a in ("-m", "--multirun") for a in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from selector.findings import shown
+
+    lines = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    register()
+    try:
+        with initialize_config_dir(str(selector.conf_dir()), version_base=None):
+            compose("train", overrides=lines)
+    except RecursionError:
+        return (
+            "an override nests its value deeper than the config reader follows; give a plain value."
+        )
+    except Exception as exc:  # noqa: BLE001 - reported as one paragraph, exit 2
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"Cannot apply the overrides: {shown(first, 300)}. Give each setting a value of its type."
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
 def main() -> None:
-    problem = override_problem(sys.argv[1:])
+    problem = override_problem(sys.argv[1:]) or compose_problem(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

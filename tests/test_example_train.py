@@ -141,12 +141,16 @@ def test_loss_floor_is_the_entropy_of_the_language():
         ("+steps=5", "Did you mean train.steps"),
         ("+train.steps=3", "write train.steps=3"),
         ("~model", "deletes a setting"),
+        ("num_experts=" + "9" * 5000, "Cannot apply the overrides"),
+        ("num_experts=" + "[" * 3000 + "1" + "]" * 3000, "nests its value deeper"),
+        ("train.steps=abc", "Cannot apply the overrides"),
     ],
+    ids=["steps", "plus-steps", "plus-existing", "delete", "huge", "deep", "wrong-type"],
 )
 def test_a_bad_override_gets_one_paragraph_and_exit_2(arg, says):
-    from examples.train import override_problem
+    from examples.train import compose_problem, override_problem
 
-    assert says in override_problem([arg])
+    assert says in (override_problem([arg]) or compose_problem([arg]))
     assert override_problem(["train.steps=3", "model=tiny", "hydra.run.dir=x", "-m"]) is None
     out = subprocess.run(
         [sys.executable, "-m", "examples.train", arg],
