@@ -34,19 +34,28 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
-from .config import MESH_AXES, Config, Dispatch, Exchange
+from .config import Config, Dispatch, Exchange
 from .derive import PerDevice
 from .memory_model import (
     CALIBRATION_FILE,
     MEMORY_CALIBRATION,
     PARTS,
+    activation_parts,
     calibration_key,
     memory_parts,
     temp_from_parts,
 )
 from .mesh import MeshView
 from .placement import WeightPlacement
-from .problem import Shape, buffer_rows, compute_weight_elements, problem_shape, rows
+from .problem import (
+    Shape,
+    buffer_rows,
+    compute_weight_elements,
+    exchange_split,
+    link_split,
+    problem_shape,
+    rows,
+)
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,16 @@ class Traffic:
     weight_gather: float  # all-gather of weights in, reduce-scatter of gradients out
     exchange: float  # routed rows to the experts' owners and back
     grad_reduce: float  # all-reduce of gradients over devices holding the same shard
+    tensor_reduce: float = 0.0  # all-reduce of the output (and, training, d/dx) over hidden
+    dcn: float = 0.0  # of the network bytes, those that cross slices (over DCN)
 
     @property
     def network(self) -> float:
-        return self.weight_gather + self.exchange + self.grad_reduce
+        return self.weight_gather + self.exchange + self.grad_reduce + self.tensor_reduce
+
+    @property
+    def ici(self) -> float:
+        return self.network - self.dcn
 
 
 @dataclass(frozen=True)
@@ -168,24 +183,32 @@ def weights_read(strategy: Dispatch, p: Shape) -> float:
     return hit * per_expert * p.passes + shared
 
 
-def traffic(strategy: Dispatch, exchange: Exchange, p: Shape, memory: Memory, rounds: int):
-    act = memory.temp - sum(
-        v for k, v in memory_parts(strategy, exchange, p).items() if k in ("weights", "gathered")
-    )
-    hbm = 2 * max(act, 0.0) * p.passes + weights_read(strategy, p)
+def traffic(
+    strategy: Dispatch, exchange: Exchange, p: Shape, memory: Memory, rounds: int, key: str
+):
+    """Bytes a device moves per step, each collective's split between the links it
+    crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`)."""
+    activations = temp_from_parts(key, activation_parts(strategy, exchange, p))
+    hbm = 2 * activations * p.passes + weights_read(strategy, p)
     w_compute = compute_weight_elements(strategy, p) * p.xb
     trips = 2 if p.train else 1  # gather in; reduce-scatter the gradient out
-    gather = w_compute * (1 - 1 / p.gathered) * trips
-    exchange_bytes = 0.0
+    gather = link_split(w_compute * (1 - 1 / p.gathered) * trips, p.gathered, p.gathered_dcn)
+    moved = (0.0, 0.0)
     if exchange is Exchange.all_to_all:
         sent = p.T * p.k if p.ragged else p.group * buffer_rows(p) * rounds
         # Forward: rows there, results back; backward: rows and their cotangents there,
         # input cotangents back (5 row-widths in all).
         widths = 5 if p.train else 2
-        exchange_bytes = sent * p.M * p.xb * widths * (1 - 1 / p.group)
+        moved = exchange_split(sent * p.M * p.xb * widths, p.group, p.group_dcn)
     weights = memory.arguments - p.T * p.M * p.xb
-    grad = 2 * weights * (1 - 1 / p.replicas) if p.train else 0.0
-    return Traffic(hbm, gather, exchange_bytes, grad)
+    grad = (0.0, 0.0)
+    if p.train:
+        grad = link_split(2 * weights * (1 - 1 / p.replicas), p.replicas, p.replicas_dcn)
+    # The hidden axes' partial outputs are summed once (and d/dx once more, training).
+    out = p.T * p.M * p.xb * (2 if p.train else 1)
+    tensor = link_split(2 * out * (1 - 1 / p.hidden_shards), p.hidden_shards, p.hidden_dcn)
+    dcn = gather[1] + moved[1] + grad[1] + tensor[1]
+    return Traffic(hbm, sum(gather), sum(moved), sum(grad), sum(tensor), dcn)
 
 
 def state_bytes(cfg: Config, p: Shape, weights_rest: float) -> float:
@@ -210,13 +233,13 @@ def estimate(
     memory = block_memory(
         strategy, place.exchange, p, rest, calibration_key(strategy, place.exchange, cfg)
     )
-    moved = traffic(strategy, place.exchange, p, memory, rounds)
+    key = calibration_key(strategy, place.exchange, cfg)
+    moved = traffic(strategy, place.exchange, p, memory, rounds, key)
     hw = cfg.hardware
-    link = hw.dcn_bandwidth_gbps if _crosses_slices(cfg, mesh, place) else hw.ici_bandwidth_gbps
     parts = (
         forward_flops(strategy, p) * p.passes / (hw.peak_bf16_tflops * 1e12),
         moved.hbm / (hw.hbm_bandwidth_gbps * 1e9),
-        moved.network / (link * 1e9),
+        moved.ici / (hw.ici_bandwidth_gbps * 1e9) + moved.dcn / (hw.dcn_bandwidth_gbps * 1e9),
     )
     state = state_bytes(cfg, p, rest)
     est = Estimate(
@@ -233,15 +256,6 @@ def estimate(
         input_bytes=p.T * p.M * p.xb,
     )
     return dataclasses.replace(est, fits=est.device_bytes <= hw.memory_gib * 2**30)
-
-
-def _crosses_slices(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bool:
-    """Whether the weights' gather or the rows' exchange spans a DCN axis."""
-    if place.exchange is Exchange.all_to_all:
-        axes = place.group_axes
-    else:
-        axes = place.experts_axes + place.embed_axes
-    return any(cfg.parallelism("dcn", a) > 1 for a in axes if a in MESH_AXES)
 
 
 __all__ = [

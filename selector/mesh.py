@@ -29,12 +29,20 @@ class MeshView:
     hidden_axes: tuple[str, ...]
     embed_axes: tuple[str, ...]
     source: str  # "config" or "live mesh"
+    # The part of each axis that spans slices over DCN (dcn_*_parallelism); empty for a
+    # live mesh, whose devices' slices the check does not read.
+    dcn_sizes: tuple[tuple[str, int], ...] = ()
 
     def size(self, axis: str) -> int:
         return dict(self.sizes).get(axis, 1)
 
     def product(self, axes) -> int:
         return math.prod(self.size(a) for a in axes)
+
+    def dcn_product(self, axes) -> int:
+        """Of the devices `axes` span, how many slices they cross (the DCN factor)."""
+        dcn = dict(self.dcn_sizes)
+        return math.prod(dcn.get(a, 1) for a in axes)
 
     @property
     def num_devices(self) -> int:
@@ -123,7 +131,7 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
     return sizes
 
 
-def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
+def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
     """Axis sizes (ici x dcn) from the config's knobs, and any problems found."""
     findings: list[Finding] = []
     if cfg.num_slices < 1:
@@ -135,7 +143,7 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
                 "slices joined over DCN. Use 1 for a single slice.",
             )
         )
-        return None, findings
+        return None, findings, {}
     if cfg.num_devices is not None and not 1 <= cfg.num_devices <= MAX_DEVICES:
         findings.append(
             error(
@@ -145,7 +153,7 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
                 "(or unset to derive it from the mesh).",
             )
         )
-        return None, findings
+        return None, findings, {}
     per_slice = None
     if cfg.num_devices is not None:
         if cfg.num_devices % cfg.num_slices:
@@ -157,12 +165,12 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
                     f"num_slices={cfg.num_slices}. Every slice holds the same devices.",
                 )
             )
-            return None, findings
+            return None, findings, {}
         per_slice = cfg.num_devices // cfg.num_slices
     ici = fill_tier(cfg, "ici", per_slice, findings)
     dcn = fill_tier(cfg, "dcn", cfg.num_slices, findings)
     if ici is None or dcn is None:
-        return None, findings
+        return None, findings, {}
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
     total = math.prod(sizes.values())
     if math.prod(dcn.values()) != cfg.num_slices:
@@ -185,7 +193,7 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding]]:
                 f"multiply to {cfg.num_devices}, or set one of them to -1.",
             )
         )
-    return sizes, findings
+    return sizes, findings, dcn
 
 
 def mesh_from_live(shape: Mapping[str, int]) -> tuple[dict, list[Finding]]:
@@ -304,11 +312,12 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
 
 def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):
     """(MeshView or None, findings). None when the sizes cannot be determined."""
+    dcn: dict = {}
     if live_shape is not None:
         sizes, findings = mesh_from_live(live_shape)
         source = "live mesh"
     else:
-        sizes, findings = mesh_from_config(cfg)
+        sizes, findings, dcn = mesh_from_config(cfg)
         source = "config"
     if sizes is None:
         return None, findings
@@ -322,5 +331,6 @@ def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):
         hidden_axes=tuple(rules.hidden),
         embed_axes=tuple(rules.embed),
         source=source,
+        dcn_sizes=tuple((a, n) for a, n in dcn.items() if n > 1),
     )
     return view, findings

@@ -62,6 +62,14 @@ class Shape:
     buffer_factor: float
     ragged: bool  # the exchange sends exactly the rows (no padding to B)
     train: bool
+    # Of the devices each collective spans, how many slices it crosses over DCN (1: all
+    # within a slice, over ICI): the weights' gather, the exchange's group, the devices
+    # that sum the same gradient shard, and the hidden axes' all-reduce of the output.
+    gathered_dcn: int = 1
+    group_dcn: int = 1
+    replicas_dcn: int = 1
+    hidden_shards: int = 1
+    hidden_dcn: int = 1
 
 
 def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement) -> Shape:
@@ -71,9 +79,12 @@ def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlac
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
     exchanged = place.exchange is Exchange.all_to_all
     group = mesh.product(place.group_axes) if exchanged else 1
-    rest = mesh.product(place.experts_axes + place.embed_axes + place.hidden_axes)
+    rest_axes = place.experts_axes + place.embed_axes + place.hidden_axes
+    rest = mesh.product(rest_axes)
     # Exchanged weights keep their expert split; only the embed split is gathered.
-    gathered = mesh.product(place.embed_axes + (() if exchanged else place.experts_axes))
+    gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
+    gathered = mesh.product(gathered_axes)
+    replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
     return Shape(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
@@ -98,7 +109,35 @@ def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlac
         buffer_factor=cfg.expert_buffer_factor,
         ragged=cfg.hardware.platform != "cpu",
         train=cfg.mode is Mode.train,
+        gathered_dcn=mesh.dcn_product(gathered_axes),
+        group_dcn=mesh.dcn_product(place.group_axes) if exchanged else 1,
+        replicas_dcn=mesh.dcn_product(replica_axes),
+        hidden_shards=mesh.product(place.hidden_axes),
+        hidden_dcn=mesh.dcn_product(place.hidden_axes),
     )
+
+
+def link_split(total: float, devices: int, slices: int) -> tuple[float, float]:
+    """(ICI bytes, DCN bytes) a device moves in a collective over `devices` that cross
+    `slices` slices, run hierarchically as XLA runs them: `total` is what a flat
+    collective would move, total x (1 - 1/devices); of it, the share among the slices,
+    total / (devices / slices) x (1 - 1/slices) / (1 - 1/devices), crosses DCN."""
+    if devices <= 1 or total <= 0:
+        return 0.0, 0.0
+    per_slice = devices / slices
+    whole = total / (1 - 1 / devices)  # the bytes of the collected array
+    dcn = whole * (1 - 1 / slices) / per_slice
+    return total - dcn, dcn
+
+
+def exchange_split(rows_bytes: float, group: int, slices: int) -> tuple[float, float]:
+    """(ICI bytes, DCN bytes) of an all-to-all in which a device's `rows_bytes` go to
+    the `group` members evenly: rows for members in other slices cross DCN directly."""
+    if group <= 1:
+        return 0.0, 0.0
+    dcn = rows_bytes * (1 - 1 / slices)
+    ici = rows_bytes / slices * (1 - slices / group)
+    return ici, dcn
 
 
 def buffer_rows(p: Shape) -> float:

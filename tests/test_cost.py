@@ -1,0 +1,101 @@
+"""The cost model's traffic and time terms: each collective's bytes, split between the
+links it crosses (ICI within a slice, DCN across slices), priced at that link's speed."""
+
+import pytest
+from helpers import typed
+
+import selector
+from selector import Dispatch, Exchange
+from selector.problem import exchange_split, link_split
+
+
+def test_link_split_of_a_hierarchical_collective():
+    """An all-gather of 1000 bytes over 8 devices moves 875 a device; on 2 slices of 4,
+    a quarter of the array crosses DCN once (125) and the rest moves within a slice."""
+    assert link_split(875.0, 8, 1) == (875.0, 0.0)
+    assert link_split(875.0, 8, 2) == (750.0, 125.0)
+    assert link_split(875.0, 8, 8) == (0.0, 875.0)
+    assert link_split(0.0, 8, 2) == (0.0, 0.0)
+
+
+def test_exchange_split_sends_rows_for_other_slices_over_dcn():
+    """An all-to-all over 8 members on 2 slices: half of a device's rows go to the other
+    slice (DCN), 3/8 to the 3 other members of its own (ICI), 1/8 stay."""
+    assert exchange_split(800.0, 8, 2) == (300.0, 400.0)
+    assert exchange_split(800.0, 8, 1) == (700.0, 0.0)
+
+
+def _candidate(plan, strategy, exchange=Exchange.gather):
+    return plan.candidate(strategy, exchange).estimate
+
+
+def test_only_the_expert_split_across_slices_is_priced_at_dcn():
+    """Qwen3-30B-A3B on two v5e-256 slices joined over the expert axis (dcn_expert=2):
+    the gather's weights cross DCN only for the 2-way expert split, while the exchange
+    sends half of every routed row across slices each step. The gather is chosen, and
+    its DCN bytes are a 512th of its network bytes (1/2 of the array over 256 devices)."""
+    cfg = typed(
+        "model=qwen3_30b_a3b",
+        "mesh=v5e_256x2",
+        "dcn_expert_parallelism=2",
+        "dcn_data_parallelism=1",
+        "per_device_batch_size=1",
+        "max_target_length=4096",
+    )
+    plan = selector.resolve(cfg)
+    gather = _candidate(plan, Dispatch.megablox)
+    exchange = _candidate(plan, Dispatch.megablox, Exchange.all_to_all)
+    assert plan.chosen_estimate is gather
+    assert 0 < gather.traffic.dcn < gather.traffic.network / 400
+    # Its group is the expert axis alone, which is the DCN axis: every row it sends crosses.
+    assert exchange.traffic.dcn == pytest.approx(exchange.traffic.exchange)
+    assert exchange.traffic.dcn > 50 * gather.traffic.dcn
+    hw = cfg.hardware
+    network_s = gather.traffic.ici / (hw.ici_bandwidth_gbps * 1e9) + gather.traffic.dcn / (
+        hw.dcn_bandwidth_gbps * 1e9
+    )
+    assert gather.time_parts[2] == pytest.approx(network_s)
+
+
+def test_the_tensor_axis_all_reduce_is_priced():
+    """Mixtral prefill on 8 H200s split 8 ways over tensor: every device sums its
+    partial output once (forward only), 2 x (1 - 1/8) of the output's bytes (about
+    0.47 GB a layer), where the estimate used to say 0."""
+    cfg = typed(
+        "model=mixtral_8x7b",
+        "mesh=h200_8",
+        "mode=prefill",
+        "ici_tensor_parallelism=8",
+        "ici_fsdp_parallelism=1",
+        "per_device_batch_size=0.125",
+        "max_target_length=32768",
+        "param_dtype=bfloat16",
+    )
+    plan = selector.resolve(cfg)
+    est = plan.chosen_estimate
+    tokens = plan.per_device.tokens_per_device
+    output = tokens * cfg.base_emb_dim * 2  # bfloat16
+    assert est.traffic.tensor_reduce == pytest.approx(2 * output * (1 - 1 / 8))
+    assert est.traffic.grad_reduce == 0 and est.traffic.dcn == 0  # prefill, one host
+    assert est.traffic.network >= est.traffic.tensor_reduce > 0.4e9
+
+
+def test_a_gradient_all_reduce_across_slices_is_priced_at_dcn():
+    """Two v5p-64 slices joined over data: the expert weights rest alike in both, so
+    their gradients are summed across slices, over DCN."""
+    common = (
+        "model=qwen3_30b_a3b",
+        "hardware=v5p",
+        "num_devices=128",
+        "ici_fsdp_parallelism=64",
+        "per_device_batch_size=1",
+        "max_target_length=4096",
+        "dispatch=megablox",
+        "expert_exchange=gather",
+    )
+    one = selector.resolve(typed(*common, "num_slices=1", "ici_data_parallelism=2"))
+    two = selector.resolve(typed(*common, "num_slices=2", "dcn_data_parallelism=2"))
+    g1, g2 = one.chosen_estimate.traffic, two.chosen_estimate.traffic
+    assert g1.grad_reduce == pytest.approx(g2.grad_reduce) and g1.grad_reduce > 0
+    assert g1.dcn == 0 and g2.dcn == pytest.approx(g2.grad_reduce)
+    assert two.chosen_estimate.time_parts[2] > one.chosen_estimate.time_parts[2]
