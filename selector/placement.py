@@ -86,7 +86,7 @@ def _present(mesh: MeshView, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.size(a) > 1)
 
 
-def describe(p: WeightPlacement, mesh: MeshView) -> str:
+def describe(p: WeightPlacement, mesh: MeshView, training: bool = True) -> str:
     """One sentence for the report: where the weights rest and how the block uses them."""
 
     def over(axes):
@@ -117,8 +117,8 @@ def describe(p: WeightPlacement, mesh: MeshView) -> str:
     gathered_axes = p.experts_axes + p.embed_axes
     if not gathered_axes:
         return f"{where}; every device computes with all experts{hidden}"
+    grads = ", and gradients come back reduce-scattered" if training else ""
     return (
         f"{where}; the block all-gathers {over(gathered_axes)} once per step (FSDP-style), "
-        f"every device computes with all experts, and gradients come back reduce-scattered"
-        f"{hidden}"
+        f"every device computes with all experts{grads}{hidden}"
     )

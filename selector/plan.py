@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import rules, targets
-from .config import Config, Dispatch, Exchange
+from .config import Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
 from .derive import PerDevice, per_device
 from .findings import Finding, Severity, errors_in, warning
@@ -51,11 +51,12 @@ class DispatchPlan:
     placement: WeightPlacement  # where expert weights rest and how they meet the tokens
     exchange_backend: str  # the collective moving routed rows when they are exchanged
     target: str = ""  # the chips the plan is for, as selector.targets compiles for them
+    training: bool = True  # fwd+bwd (mode=train); prefill and decode run forward only
 
     @property
     def expert_weights(self) -> str:
         """What the block does with the expert weights, in one sentence."""
-        return describe(self.placement, self.mesh)
+        return describe(self.placement, self.mesh, self.training)
 
     @property
     def cp(self) -> int:
@@ -150,6 +151,33 @@ def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], 
     }
 
 
+def _experts_split(cfg: Config, live_shape) -> tuple[dict, Estimate] | None:
+    """At decode: the same config with the ici fsdp devices holding experts instead,
+    and what the selector would choose there (None when it has errors or no such
+    split). Configs only: a live mesh is what it is."""
+    if cfg.mode is not Mode.decode or live_shape is not None or cfg.ici_fsdp_parallelism == 1:
+        return None
+    if cfg.ici_fsdp_parallelism == -1 and cfg.num_devices is None:
+        return None
+    other = cfg.replace(ici_fsdp_parallelism=1, ici_expert_parallelism=-1)
+    if cfg.ici_fsdp_parallelism == -1 or cfg.ici_expert_parallelism == -1:
+        other = other.replace(**{f"ici_{a}_parallelism": n for a, n in _fixed_fills(cfg)})
+    plan, findings = _analyse(other, None)
+    if plan is None or errors_in(findings):
+        return None
+    overrides = {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": plan.mesh.size("expert")}
+    return overrides, plan.chosen_estimate
+
+
+def _fixed_fills(cfg: Config):
+    """The other ici axes that fill with -1, pinned to 1 so expert can fill instead."""
+    return [
+        (a, 1)
+        for a in ("data", "context", "context_usp_ulysses", "context_autoregressive", "tensor")
+        if cfg.parallelism("ici", a) == -1
+    ]
+
+
 def _analyse(
     cfg: Config, live_shape: Mapping[str, int] | None
 ) -> tuple[DispatchPlan | None, list[Finding]]:
@@ -185,6 +213,7 @@ def _analyse(
     findings += rules.capacity_too_small(cfg, dev, strategy)
     findings += rules.capacity_costly(cfg, strategy, chosen, estimates)
     findings += rules.memory_fits(cfg, dev, chosen)
+    findings += rules.decode_gathers_weights(cfg, mesh, chosen, _experts_split(cfg, live_shape))
     findings += rules.exchange_settings(
         cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy)
     )
@@ -204,5 +233,6 @@ def _analyse(
         placement=placements[(strategy, exchange)],
         exchange_backend=exchange_backend(cfg),
         target=targets.describe(cfg.hardware.name, mesh.num_devices, cfg.num_slices),
+        training=cfg.mode is Mode.train,
     )
     return plan, findings

@@ -99,3 +99,29 @@ def test_a_gradient_all_reduce_across_slices_is_priced_at_dcn():
     assert g1.grad_reduce == pytest.approx(g2.grad_reduce) and g1.grad_reduce > 0
     assert g1.dcn == 0 and g2.dcn == pytest.approx(g2.grad_reduce)
     assert two.chosen_estimate.time_parts[2] > one.chosen_estimate.time_parts[2]
+
+
+def test_decode_that_gathers_every_expert_says_so_with_both_numbers():
+    """DeepSeek-V3 decode on v5p-128 with the experts gathered over fsdp=64: 22.3 GB of
+    weights a device a layer per token step. DECODE_GATHERS_WEIGHTS gives that and the
+    exchange's numbers with the experts split over the same devices, and its fix (the
+    fsdp devices as expert devices) clears it; a forward-only report says nothing about
+    gradients."""
+    common = (
+        "model=deepseek_v3",
+        "mesh=v5p_128",
+        "mode=decode",
+        "per_device_batch_size=2",
+        "max_target_length=8192",
+        "param_dtype=bfloat16",
+    )
+    plan = selector.resolve(typed(*common))
+    (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
+    assert "22.3 GB" in f.message and "megablox/all_to_all" in f.message
+    assert [x.render() for x in f.fixes] == ["ici_fsdp_parallelism=1 ici_expert_parallelism=64"]
+    fixed = selector.resolve(typed(*common, *f.fixes[0].render().split()))
+    assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in fixed.findings}
+    assert fixed.chosen_estimate.time_s < plan.chosen_estimate.time_s / 10
+    assert "gradients" not in plan.expert_weights
+    prefill = typed(*common[:2], "mode=prefill", "per_device_batch_size=1", *common[4:])
+    assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in selector.validate(prefill)}

@@ -240,3 +240,37 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
             [fix(expert_group=ExpertGroup.expert), gather],
         )
     ]
+
+
+DECODE_GATHER_RATIO = 100  # weights gathered per step against the tokens' own bytes
+
+
+def decode_gathers_weights(cfg: Config, mesh: MeshView, chosen: Estimate, alternative) -> list:
+    """Decode that gathers the expert weights for a handful of tokens: each step moves
+    every expert's weights to every device. `alternative` is (overrides, Estimate) of the
+    same config with the fsdp devices holding experts instead (None when there is none),
+    whose numbers the warning gives beside the chosen ones."""
+    from ..config import Mode
+
+    if cfg.mode is not Mode.decode or chosen.exchange is not Exchange.gather:
+        return []
+    gathered = chosen.traffic.weight_gather
+    if gathered < DECODE_GATHER_RATIO * max(chosen.input_bytes, 1.0) or alternative is None:
+        return []
+    overrides, other = alternative
+    if other.time_s >= chosen.time_s / 2:
+        return []
+    knobs = " ".join(f"{k}={v}" for k, v in overrides.items())
+    return [
+        warning(
+            "DECODE_GATHERS_WEIGHTS",
+            "ici_expert_parallelism",
+            f"mode=decode with the expert weights gathered: every step moves "
+            f"{gathered / 1e9:.3g} GB of weights a device a layer for "
+            f"{chosen.input_bytes / 1e6:.3g} MB of tokens ({chosen.time_s * 1e3:.3g} ms "
+            f"estimated). With the experts split over those devices ({knobs}) the routed "
+            f"rows travel instead: {other.name}, {other.traffic.network / 1e9:.3g} GB, "
+            f"{other.time_s * 1e3:.3g} ms estimated.",
+            [fix("experts split, rows exchanged", **overrides)],
+        )
+    ]
