@@ -8,9 +8,9 @@ They read the resolved mesh (a -1 fill counts).
 
 from __future__ import annotations
 
-from .config import Config, Mode
-from .findings import Finding, fix, warning
-from .mesh import MeshView
+from ..config import Config, Mode
+from ..findings import Finding, fix, warning
+from ..mesh import MeshView
 
 # Keys MaxText 0.2.5 reads in the MoE block that this check does not map: a changed
 # value changes the block's output, memory or time. Only these are listed by name

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compose import conf_dir as packaged_conf
-from .compose import did_you_mean
-from .config import (
+from ..compose import conf_dir as packaged_conf
+from ..compose import did_you_mean
+from ..config import (
     MESH_AXES,
     CapacityRounding,
     Config,
@@ -37,9 +37,11 @@ from .config import (
     Mode,
     OutputFormat,
 )
-from .findings import Finding, Fix, fix, render_value, warning
-from .maxtext_facts import facts, ignored_that_matter, megablox_note, mode_of
-from .maxtext_files import (
+from ..findings import Finding, Fix, fix, render_value, warning
+from ..mesh import build_mesh_view
+from .axis_rules import axis_rules
+from .facts import facts, ignored_that_matter, megablox_note, mode_of
+from .files import (
     MaxTextError,
     coerce,
     custom_mesh_and_rule,
@@ -48,9 +50,7 @@ from .maxtext_files import (
     merged_rules,
     parse_overrides,
 )
-from .maxtext_routing import routing
-from .maxtext_rules import axis_rules
-from .mesh import build_mesh_view
+from .routing import routing
 
 # MaxText keys copied one to one (MaxText name -> ours).
 DIRECT_KEYS = {

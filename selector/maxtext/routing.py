@@ -6,9 +6,9 @@ every other decoder softmaxes over the top-k logits, i.e. always renormalises.""
 
 from __future__ import annotations
 
-from .config import ScoreFunc
-from .findings import Finding, warning
-from .maxtext_files import coerce
+from ..config import ScoreFunc
+from ..findings import Finding, warning
+from .files import coerce
 
 DEEPSEEK_V3_FAMILY = ("deepseek3", "deepseek4", "kimi-k2")  # MaxText's deepseek_routing
 SHARED_GATE_DECODERS = ("qwen3_next", "qwen3_5")  # Qwen3NextSparseMoeBlock

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .findings import shown
+from ..findings import shown
 
 
 class MaxTextError(ValueError):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import MESH_AXES, AxisRules
-from .maxtext_files import MaxTextError
+from ..config import MESH_AXES, AxisRules
+from .files import MaxTextError
 
 
 def _assign(dims: tuple[str, ...], rules: list) -> tuple[list[list[str]], list[str]]:

@@ -1,0 +1,16 @@
+"""The MaxText route: MaxText's own YAML files read as MaxText 0.2.5 reads them, mapped
+onto the selector's typed Config, with the facts of what MaxText does with them.
+
+- `files`: the base_config chain, overrides typed as YAML scalars, custom_mesh_and_rule,
+  logical_axis_rules merged across the chain (and the limits on what is read).
+- `axis_rules`: RoutedMoE's logical names resolved to mesh axes, as flax resolves them.
+- `routing`: the routing each decoder family runs, mapped onto the block's knobs.
+- `facts`: findings about what MaxText does with a config (measured or read in its source).
+- `importer`: `from_maxtext`, which puts the above together, and `route_fixes`, which
+  spells the selector's fixes in MaxText's keys and keeps those the route accepts.
+"""
+
+from .files import MaxTextError
+from .importer import MaxTextImport, from_maxtext, route_fixes
+
+__all__ = ["MaxTextError", "MaxTextImport", "from_maxtext", "route_fixes"]
