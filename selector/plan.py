@@ -128,18 +128,33 @@ def analyse(
 
 
 def _verified(cfg: Config, live_shape, finding: Finding, before: list[Finding]) -> Finding:
+    """The finding with the fixes that work, ranked by what a device then holds (the
+    chosen candidate's state at rest plus its block's peak, after the fix): the lightest
+    first, each with that number; a fix that leaves a device over the chip is dropped
+    when another fix fits."""
     old_errors = {f.code for f in errors_in(before)}
     good = []
-    for fix in finding.fixes:
+    for fix_ in finding.fixes:
         try:
-            fixed = cfg.apply(fix.overrides)
+            fixed = cfg.apply(fix_.overrides)
         except (TypeError, ValueError):
             continue
-        _, after = _analyse(fixed, live_shape)
+        plan, after = _analyse(fixed, live_shape)
         new_errors = {f.code for f in errors_in(after)} - old_errors
         if finding.code not in {f.code for f in after} and not new_errors:
-            good.append(fix)
-    return finding.with_fixes(tuple(good))
+            est = plan.chosen_estimate if plan is not None else None
+            good.append((fix_, est))
+    if any(est is not None and est.fits for _, est in good):
+        good = [(f, est) for f, est in good if est is None or est.fits]
+    good.sort(key=lambda pair: pair[1].device_bytes if pair[1] is not None else float("inf"))
+    return finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good))
+
+
+def _with_device_note(fix_, est: Estimate | None):
+    if est is None:
+        return fix_
+    held = f"a device then holds {est.device_bytes / 2**30:.3g} GiB"
+    return dataclasses.replace(fix_, note=f"{fix_.note}; {held}" if fix_.note else held)
 
 
 def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], WeightPlacement]:

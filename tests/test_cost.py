@@ -125,3 +125,23 @@ def test_decode_that_gathers_every_expert_says_so_with_both_numbers():
     assert "gradients" not in plan.expert_weights
     prefill = typed(*common[:2], "mode=prefill", "per_device_batch_size=1", *common[4:])
     assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in selector.validate(prefill)}
+
+
+def test_fixes_come_lightest_first_with_what_a_device_then_holds():
+    """The README's case (Qwen3-Next, cp=4, per_device_batch_size=1 on v5p-128): moving
+    the context devices to data keeps the global batch but replicates the weights the
+    context axis was sharding; lowering the batch leaves a device lighter. The lighter
+    fix comes first, and each says what a device then holds."""
+    cfg = typed(
+        "model=qwen3_next_80b_a3b",
+        "mesh=v5p_128",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=1",
+        "max_target_length=8192",
+    )
+    (f,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
+    first, second = f.fixes
+    assert first.render() == "per_device_batch_size=0.25"
+    assert "ici_context_parallelism=1" in second.render()
+    held = [float(x.note.split("a device then holds ")[1].split(" GiB")[0]) for x in f.fixes]
+    assert held[0] < held[1] / 2

@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -279,10 +280,19 @@ def apply_rendered(cfg: Config, rendered: str) -> Config:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(configs(), plausible_configs()))
 def test_every_proposed_fix_passes_the_next_check(cfg):
-    """Apply each fix a finding offers: that finding is gone and no new error appears."""
+    """Apply each fix a finding offers: that finding is gone and no new error appears.
+    The fixes come lightest first: what a device then holds, as each fix's note says,
+    never decreases down the list, and none is over the chip while another fits."""
     before = selector.validate(cfg)
     errors_before = {f.code for f in before if f.severity.value == "error"}
     for finding in before:
+        held = [
+            float(m.group(1))
+            for fix in finding.fixes
+            for m in [re.search(r"a device then holds ([\d.e+]+) GiB", fix.note)]
+            if m
+        ]
+        assert held == sorted(held), (finding.code, held)
         for fix in finding.fixes:
             after = selector.validate(apply_rendered(cfg, fix.render()))
             assert finding.code not in {f.code for f in after}, (finding.code, fix.render())

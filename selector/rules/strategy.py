@@ -142,12 +142,14 @@ def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
     state_bigger = est.state_bytes >= block
     fixes = [
         fix(param_dtype="bfloat16"),
+        fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
     ]
     return [
         error(
             "MEMORY_EXCEEDED",
-            "dispatch",
+            # The knob behind the larger share: the weights' storage, or the batch.
+            "param_dtype" if state_bigger else "per_device_batch_size",
             f"dispatch={est.name} needs about {est.device_bytes / gib:.1f} GiB per device, more "
             f"than the {cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}: "
             f"{est.state_bytes / gib:.1f} GiB for {cfg.num_moe_layers} MoE layers at rest "
