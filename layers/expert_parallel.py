@@ -35,12 +35,13 @@ E global experts, L local experts (E / G), M embedding, H hidden (per hidden sha
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from selector.problem import exchange_buffer_rows
 
 from .ffn import swiglu
 from .grouped_matmul import (
@@ -52,11 +53,9 @@ from .grouped_matmul import (
 )
 from .vma import reduce_like, varying_like
 
-ROW_ALIGN = 8  # rows per owner per round are a multiple of this
-
 
 @dataclass(frozen=True)
-class Exchange:
+class ExchangeGroup:
     """The static description of one expert-parallel exchange."""
 
     group_axes: tuple[str, ...]  # mesh axes of the expert group (major first)
@@ -69,9 +68,9 @@ class Exchange:
     platform: str = "cpu"  # of the mesh's devices: where the grouped matmul will run
 
     def buffer_rows(self, rows: int) -> int:
-        """B: rows each device may send each owner per round."""
-        share = self.buffer_factor * rows / self.group_size
-        return max(ROW_ALIGN, ROW_ALIGN * math.ceil(share / ROW_ALIGN))
+        """B: rows each device may send each owner per round (the selector's formula,
+        which prices these buffers)."""
+        return exchange_buffer_rows(rows, self.group_size, self.buffer_factor)
 
 
 def _slot_group_sizes(ids_B, local_experts: int):
@@ -123,20 +122,20 @@ def _slot_swiglu_pullback(
     return dx_BM, dscale_B, (dwi_0, dwi_1, dwo)
 
 
-def _routing(group_sizes_E, ex: Exchange, local_experts: int):
+def _routing(group_sizes_E, ex: ExchangeGroup, local_experts: int):
     """Per owner: the first sorted row for it and how many rows go to it (int32, (G,))."""
     per_owner = group_sizes_E.reshape(ex.group_size, local_experts).sum(axis=1)
     starts = jnp.cumsum(per_owner) - per_owner
     return starts.astype(jnp.int32), per_owner.astype(jnp.int32)
 
 
-def _rounds(counts_G, buffer_rows: int, ex: Exchange):
+def _rounds(counts_G, buffer_rows: int, ex: ExchangeGroup):
     """Rounds every device runs: the largest send of any device, in buffers of B."""
     most = lax.pmax(jnp.max(counts_G), ex.count_axes)
     return (most + buffer_rows - 1) // buffer_rows
 
 
-def rounds_needed(group_sizes_E, ex: Exchange, local_experts: int, buffer_rows: int):
+def rounds_needed(group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
     """The global number of exchange rounds for this step's routing (int32 scalar)."""
     _, counts_G = _routing(group_sizes_E, ex, local_experts)
     return _rounds(counts_G, buffer_rows, ex)
@@ -160,7 +159,7 @@ def _receive_back(out_RX, back_GBX, valid_GB, index_GB):
     return out_RX.at[where].set(back_GBX.reshape(-1, back_GBX.shape[-1]), mode="drop")
 
 
-def _exchange(x_GBX, ex: Exchange):
+def _exchange(x_GBX, ex: ExchangeGroup):
     """Send slot g of the buffer to group member g; receive member g's slot for us."""
     return lax.all_to_all(x_GBX, ex.group_axes, 0, 0, tiled=True)
 
@@ -173,7 +172,7 @@ def _slot_sizes(counts_G, r, buffer_rows: int):
 class _Packed:
     """all_to_all transport: each owner's rows are packed into its (B, X) slot."""
 
-    def __init__(self, starts_G, counts_G, ex: Exchange, buffer_rows: int):
+    def __init__(self, starts_G, counts_G, ex: ExchangeGroup, buffer_rows: int):
         self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
 
     def to_owners(self, rows_RX, ids_R, r, local_experts):
@@ -201,7 +200,7 @@ class _Ragged:
     sorted array. Needs the sources' counts and starts, exchanged once. Slot g of the
     receive buffer holds member g's rows first, sorted by local expert, then zeros."""
 
-    def __init__(self, starts_G, counts_G, ex: Exchange, buffer_rows: int):
+    def __init__(self, starts_G, counts_G, ex: ExchangeGroup, buffer_rows: int):
         self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
         # What each source sends this device, and where its rows start over there.
         self.recv_counts = _exchange(counts_G, ex)
@@ -244,13 +243,13 @@ class _Ragged:
 TRANSPORTS = {"all_to_all": _Packed, "ragged_all_to_all": _Ragged}
 
 
-def _transport(group_sizes_E, ex: Exchange, local_experts: int, buffer_rows: int):
+def _transport(group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
     starts_G, counts_G = _routing(group_sizes_E, ex, local_experts)
     rounds = _rounds(counts_G, buffer_rows, ex)
     return TRANSPORTS[ex.backend](starts_G, counts_G, ex, buffer_rows), rounds
 
 
-def _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex: Exchange, buffer_rows: int):
+def _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex: ExchangeGroup, buffer_rows: int):
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
     emb = w[2].shape[2]
@@ -270,7 +269,7 @@ def _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex: Exchange, buffer
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, scale_R, ex: Exchange, buffer_rows: int):
+def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, scale_R, ex: ExchangeGroup, buffer_rows: int):
     """SwiGLU of each routed row with its expert, on the device that owns the expert,
     the activation scaled by the row's routing weight before `wo`.
 
@@ -286,7 +285,7 @@ def _fwd(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
     return y, (x_RM, ids_R, group_sizes_E, w, scale_R)
 
 
-def _bwd(ex: Exchange, buffer_rows: int, res, dy_RM):
+def _bwd(ex: ExchangeGroup, buffer_rows: int, res, dy_RM):
     x_RM, ids_R, group_sizes_E, w, scale_R = res
     local_experts = w[0].shape[0]
     move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)

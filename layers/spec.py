@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from selector.config import CapacityRounding
 from selector.derive import capacity
 
-from .expert_parallel import Exchange
+from .expert_parallel import ExchangeGroup
 from .sharding import Layout
 
 
@@ -23,7 +23,7 @@ class MoESpec:
     capacity_factor: float  # <= 0: dropless
     dtype: str  # compute dtype name
     gmm_backend: str
-    exchange: Exchange | None = None  # expert parallelism; None when weights are gathered
+    exchange: ExchangeGroup | None = None  # expert parallelism; None when weights are gathered
     score_func: str = "softmax"  # or "sigmoid"
     routed_bias: bool = False
     routed_scaling_factor: float = 1.0
@@ -38,7 +38,7 @@ class MoESpec:
     def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
         exchange = None
         if layout.group:
-            exchange = Exchange(
+            exchange = ExchangeGroup(
                 group_axes=layout.group,
                 group_size=layout.size(layout.group),
                 count_axes=layout.token_axes,

@@ -140,10 +140,17 @@ def exchange_split(rows_bytes: float, group: int, slices: int) -> tuple[float, f
     return ici, dcn
 
 
-def buffer_rows(p: Shape) -> float:
-    """B: rows a device may send each owner per round (the layers' formula)."""
-    share = p.buffer_factor * p.T * p.k / p.group
+def exchange_buffer_rows(rows: float, group: int, buffer_factor: float) -> int:
+    """B: rows a device may send each owner per round, `buffer_factor` x the even share
+    of its `rows`, rounded up to a multiple of ROUND_ALIGN. The one formula: the layers
+    size their buffers with it and the cost model prices them with it."""
+    share = buffer_factor * rows / group
     return max(ROUND_ALIGN, ROUND_ALIGN * math.ceil(share / ROUND_ALIGN - 1e-9))
+
+
+def buffer_rows(p: Shape) -> float:
+    """B for the per-device problem (routed rows T x k over the expert group)."""
+    return exchange_buffer_rows(p.T * p.k, p.group, p.buffer_factor)
 
 
 def rows(strategy: Dispatch, p: Shape) -> float:
