@@ -16,7 +16,7 @@ import jax.numpy as jnp
 class ExpertWeights:
     """Router, routed-expert and shared-expert weights as the strategies see them (a
     pytree; the optional parts are None when the model has none). S is the shared
-    experts' hidden dim (shared_experts x the expert hidden dim)."""
+    experts' hidden dim (selector.problem.shared_width)."""
 
     gate_ME: jax.Array
     wi_0_EMH: jax.Array

@@ -7,7 +7,8 @@ parameters in one of three ways, all with the same leaf shapes as ours:
   (E, M, H), wo (E, H, M);
 - `RoutedAndSharedMoE` (DeepSeek): the routed tree under MoeBlock_0, and the shared
   experts' MlpBlock under shared_experts: wi_0/kernel, wi_1/kernel (M, S), wo/kernel (S, M)
-  with S = shared_experts x H;
+  with S = shared_experts x H (Qwen3-Next's gated shared expert: S = H whatever
+  shared_experts > 0 says, as MaxText builds it; selector.problem.shared_width);
 - `Qwen3NextSparseMoeBlock`: the routed tree under routed_experts, the shared expert
   under shared_expert, and its gate under shared_expert_gate/kernel (M, 1).
 

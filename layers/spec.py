@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from selector.config import CapacityRounding
 from selector.derive import capacity
+from selector.problem import shared_width
 
 from .expert_parallel import ExchangeGroup
 from .sharding import Layout
@@ -29,7 +30,7 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     n_routing_groups: int = -1
     topk_routing_group: int = -1
-    shared_experts: int = 0  # shared hidden = shared_experts x hidden
+    shared_experts: int = 0  # how many; their width: selector.problem.shared_width
     shared_expert_gate: bool = False
     capacity_rounding: str = "ours"
     platform: str = "cpu"  # of the mesh's devices: the grouped matmul's kernel follows it
@@ -71,7 +72,7 @@ class MoESpec:
 
     @property
     def shared_hidden(self) -> int:
-        return self.shared_experts * self.hidden
+        return int(shared_width(self.shared_experts, self.hidden, self.shared_expert_gate))
 
     @property
     def compute_dtype(self):

@@ -17,6 +17,16 @@ ROUND_ALIGN = 8  # exchange buffers hold a multiple of 8 rows per owner (as the 
 GMM_TAIL_ROWS = {"pallas_megablox": 128, "ragged_dot": 128, "tiled_gmm": 64}
 
 
+def shared_width(shared_experts: int, hidden: float, gated: bool) -> float:
+    """The shared experts' hidden width, as MaxText 0.2.5 builds them (read in its
+    source): RoutedAndSharedMoE (DeepSeek) one MlpBlock of shared_experts x the expert
+    width; Qwen3-Next's gated shared expert one MlpBlock of the expert width, whatever
+    shared_experts > 0 says (models/qwen3.py: intermediate_dim=cfg.moe_mlp_dim)."""
+    if shared_experts <= 0:
+        return 0
+    return hidden if gated else shared_experts * hidden
+
+
 def gmm_backend(cfg: Config) -> str:
     """Grouped-matmul backend for the megablox dispatch: the one asked for, else the
     platform's. On GPU not `ragged_dot`: XLA:GPU (jax 0.10.2's CUDA plugin) lowers it to
@@ -94,7 +104,8 @@ def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlac
         C=cap,
         M=cfg.base_emb_dim,
         H=cfg.base_moe_mlp_dim / mesh.product(place.hidden_axes),
-        Hs=cfg.shared_experts * cfg.base_moe_mlp_dim / mesh.product(place.hidden_axes),
+        Hs=shared_width(cfg.shared_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_gate)
+        / mesh.product(place.hidden_axes),
         E_c=cfg.num_experts // group if exchanged else cfg.num_experts,
         group=group,
         gathered=gathered,

@@ -135,3 +135,21 @@ def test_a_refused_tree_leaves_the_block_unchanged(jax_cpu8):
         load_maxtext(model, tree)
     for path, value in leaves(before):
         assert np.array_equal(np.asarray(dict(leaves(to_maxtext(model)))[path]), value), path
+
+
+def test_shared_expert_width_follows_maxtexts_source(jax_cpu8, maxtext_dir):
+    """With shared_experts=2, MaxText 0.2.5 builds Qwen3-Next's gated shared expert at
+    the expert width (models/qwen3.py: intermediate_dim=cfg.moe_mlp_dim) and DeepSeek's
+    at twice it (layers/moe.py: shared_experts x the shared width). Our blocks take the
+    same shapes, so a MaxText tree of either loads."""
+    qwen3 = (maxtext_dir / "models" / "qwen3.py").read_text()
+    routed = (maxtext_dir / "layers" / "moe.py").read_text()
+    assert "intermediate_dim=cfg.moe_mlp_dim" in qwen3
+    assert "intermediate_dim=self.config.shared_experts * shared_expert_mlp_dim" in routed
+    for routing, width in (("qwen3_next", 1), ("deepseek_v3", 2)):
+        overrides = [o for o in ROUTINGS[routing] if not o.startswith("shared_experts=")]
+        model = build("megablox", {"data": 8}, 8, 32, *overrides, "shared_experts=2")
+        hidden = model.spec.hidden
+        assert model.weights().shared_wi_0_MS.shape == (model.spec.emb, width * hidden)
+        tree = to_maxtext(model)
+        load_maxtext(model, tree)  # the tree MaxText's shapes describe loads back
