@@ -18,9 +18,9 @@ def use_cpu_devices(n: int = 8) -> None:
     """Simulated CPU devices; must run before jax is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("use_cpu_devices must run before jax is imported")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    from selector.targets import prepare_process  # jax-free
+
+    prepare_process("cpu", n)
 
 
 def block_overrides(

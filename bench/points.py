@@ -96,7 +96,11 @@ def planned(point: Point):
 def predicted(point: Point) -> dict:
     """The selector's numbers for the point, from its config and mesh shape alone (no
     jax): arguments, outputs, temp, FLOPs and HBM bytes, and the hand counts behind temp."""
-    cfg, plan = planned(point)
+    return predicted_from(*planned(point))
+
+
+def predicted_from(cfg, plan) -> dict:
+    """`predicted` for a point's typed config and plan, already made."""
     est = plan.chosen_estimate
     shape = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
     return {
@@ -129,7 +133,7 @@ def measure(point: Point) -> dict:
         "flops": compiled.flops,
         "bytes_accessed": compiled.bytes_accessed,
         "compile_s": compiled.seconds,
-        **predicted(point),
+        **predicted_from(cfg, plan),
     }
 
 

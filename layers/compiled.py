@@ -57,12 +57,11 @@ def compile_plan(cfg: Any, plan: selector.DispatchPlan, target: targets.Target |
     from flax import nnx
 
     from .moe import MoEBlock
-    from .sharding import make_mesh
+    from .sharding import mesh_for_plan
 
     config = selector.to_config(cfg)
     target = target or target_of(config, plan.mesh.num_devices)
-    axes = {a: s for a, s in plan.mesh.sizes if s > 1} or {"data": 1}
-    mesh = make_mesh(axes, target.devices())
+    mesh = mesh_for_plan(plan, target.devices())
     block = nnx.eval_shape(lambda: MoEBlock(config, mesh=mesh, plan=plan, rngs=nnx.Rngs(0)))
     dev = plan.per_device
     batch = round(dev.global_batch)

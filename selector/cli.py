@@ -140,7 +140,7 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
         return [overrides]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except OverrideParseException as exc:
+    except (OverrideParseException, ValueError) as exc:  # ValueError: a 5000-digit int
         bad = next((o for o in overrides if _parses_badly(o)), " ".join(overrides))
         raise _Usage(explain(exc, bad)) from None
     choices = []
@@ -169,7 +169,7 @@ def _parses_badly(arg: str) -> bool:
     try:
         OverridesParser.create().parse_overrides([arg])
         return False
-    except OverrideParseException:
+    except (OverrideParseException, ValueError):
         return True
 
 
@@ -203,7 +203,7 @@ def _emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def analysed(config, *, live_shape=None):
+def analysed(config):
     """(plan, findings, compile check or None): compiled candidates when `compile=true`.
     A compiler plugin that is missing is unusable input (exit 2, naming the extra)."""
     if not config.compile:
@@ -216,7 +216,7 @@ def analysed(config, *, live_shape=None):
         print(message, file=sys.stderr, flush=True)
 
     try:
-        return check(config, live_shape, progress=progress)
+        return check(config, progress=progress)
     except TargetUnavailable as exc:
         raise _Usage(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - a compiler failure is reported, not raised

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import targets
 from .config import Config, Dispatch, Exchange
-from .cost import Estimate, Memory
+from .cost import Estimate, Memory, with_memory
 from .findings import Finding, error, errors_in, warning
 from .plan import Candidate, DispatchPlan, analyse
 from .policy import choose
@@ -36,14 +36,29 @@ GIB = 2**30
 class CompiledCandidate:
     """One candidate as estimated and as compiled (bytes per device)."""
 
-    name: str
     estimate: Estimate
-    compiled: Memory  # XLA's arguments, outputs and temp
-    device_bytes: float  # the state at rest plus the compiled block's peak
-    fits: bool
+    as_compiled: Estimate  # the estimate with XLA's memory, and the fit that follows
     flops: float  # XLA's cost analysis
     bytes_accessed: float
     seconds: float  # compile time on this machine
+
+    @property
+    def name(self) -> str:
+        return self.estimate.name
+
+    @property
+    def compiled(self) -> Memory:
+        """XLA's arguments, outputs and temp."""
+        return self.as_compiled.memory
+
+    @property
+    def device_bytes(self) -> float:
+        """The state at rest plus the compiled block's peak."""
+        return self.as_compiled.device_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.as_compiled.fits
 
     @property
     def temp_error(self) -> float:
@@ -130,7 +145,6 @@ def check(
     if rest:
         todo.append(choose(config, rest)[0])  # the runner-up: the choice without the first
     compiled: dict[Key, CompiledCandidate] = {}
-    limit = config.hardware.memory_gib * GIB
     while todo:
         key = todo.pop(0)
         if key in compiled:
@@ -139,27 +153,23 @@ def check(
         say(f"compiling {est.name} for {plan.target} ...")
         numbers = compile_fn(config, *key)
         memory = Memory(float(numbers.arguments), float(numbers.outputs), float(numbers.temp))
-        device = dataclasses.replace(est, memory=memory).device_bytes
-        compiled[key] = CompiledCandidate(
-            name=est.name,
+        c = compiled[key] = CompiledCandidate(
             estimate=est,
-            compiled=memory,
-            device_bytes=device,
-            fits=device <= limit,
+            as_compiled=with_memory(est, memory, config.hardware.memory_gib),
             flops=float(numbers.flops),
             bytes_accessed=float(numbers.bytes_accessed),
             seconds=float(numbers.seconds),
         )
         say(
             f"  {est.name}: temp {memory.temp / GIB:.3g} GiB compiled "
-            f"({est.memory.temp / GIB:.3g} estimated), {device / GIB:.3g} GiB a device "
-            f"in all, {numbers.seconds:.0f} s"
+            f"({est.memory.temp / GIB:.3g} estimated), {c.device_bytes / GIB:.3g} GiB a "
+            f"device in all, {numbers.seconds:.0f} s"
         )
         if not todo:  # choose again with what compiling showed; compile a new winner
-            winner = choose(config, _with_compiled(estimates, compiled, limit))[0]
+            winner = choose(config, _with_compiled(estimates, compiled))[0]
             if winner not in compiled:
                 todo.append(winner)
-    final = _with_compiled(estimates, compiled, limit)
+    final = _with_compiled(estimates, compiled)
     (strategy, exchange), reason, verdicts = choose(config, final)
     new_plan, new_findings = _replan(config, live_shape, plan, (strategy, exchange), reason)
     extra = _compile_findings(config, plan, compiled, (strategy, exchange))
@@ -187,12 +197,9 @@ def _candidates(plan: DispatchPlan, final, verdicts, chosen: Key) -> tuple[Candi
     return tuple(out)
 
 
-def _with_compiled(estimates, compiled, limit) -> dict[Key, Estimate]:
+def _with_compiled(estimates, compiled) -> dict[Key, Estimate]:
     """The estimates with each compiled candidate's memory and fit as compiled."""
-    out = dict(estimates)
-    for key, c in compiled.items():
-        out[key] = dataclasses.replace(c.estimate, memory=c.compiled, fits=c.fits)
-    return out
+    return {**estimates, **{key: c.as_compiled for key, c in compiled.items()}}
 
 
 def _replan(config, live_shape, plan: DispatchPlan, chosen: Key, reason: str):

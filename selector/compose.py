@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .config import AxisRules, Config, Hardware
-from .findings import ConfigError, error
+from .findings import ConfigError, error, shown
 
 SCHEMA_NAME = "base_config"
 
@@ -70,8 +70,9 @@ def unknown_setting(key: str, where: str = "") -> ConfigError:
             error(
                 "UNKNOWN_SETTING",
                 key,
-                f"Unknown setting {key!r}{where}: nothing would read it.{hint} Settings use "
-                "MaxText's spelling; `python -m selector --cfg job` lists every key.",
+                f"Unknown setting {shown(repr(key), 60)}{where}: nothing would read it.{hint} "
+                "Settings use MaxText's spelling; `python -m selector --cfg job` lists every "
+                "key.",
             )
         ]
     )
@@ -97,12 +98,13 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
                         error(
                             "OVERRIDE_INVALID",
                             key,
-                            f"Override {line!r}: {key!r} is already a setting, and Hydra's '+' "
-                            f"adds a new key. Write {line.lstrip('+')} instead.",
+                            f"Override {shown(repr(line))}: {key!r} is already a setting, and "
+                            f"Hydra's '+' adds a new key. Write {shown(line.lstrip('+'))} "
+                            "instead.",
                         )
                     ]
                 )
-            raise unknown_setting(key, f" (override {line!r})")
+            raise unknown_setting(key, f" (override {shown(repr(line))})")
     register_schema()
     hydra_global = GlobalHydra.instance()
     outer = None

@@ -159,10 +159,8 @@ def weight_rest_bytes(p: Shape, hidden_shards: int) -> float:
     return experts + shared + p.M * p.E * p.pb / p.gate_shards
 
 
-def block_memory(
-    strategy: Dispatch, exchange: Exchange, p: Shape, weights_rest: float, key: str
-) -> Memory:
-    temp = temp_from_parts(key, memory_parts(strategy, exchange, p))
+def block_memory(p: Shape, weights_rest: float, temp: float) -> Memory:
+    """The block's program by XLA's categories, around its (fitted) temporaries."""
     x = p.T * p.M * p.xb
     outputs = weights_rest + x if p.train else x
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)
@@ -184,11 +182,11 @@ def weights_read(strategy: Dispatch, p: Shape) -> float:
 
 
 def traffic(
-    strategy: Dispatch, exchange: Exchange, p: Shape, memory: Memory, rounds: int, key: str
+    strategy: Dispatch, exchange: Exchange, p: Shape, memory: Memory, rounds: int, activations
 ):
     """Bytes a device moves per step, each collective's split between the links it
-    crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`)."""
-    activations = temp_from_parts(key, activation_parts(strategy, exchange, p))
+    crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`).
+    `activations`: the fitted bytes of the block's activation temporaries."""
     hbm = 2 * activations * p.passes + weights_read(strategy, p)
     w_compute = compute_weight_elements(strategy, p) * p.xb
     trips = 2 if p.train else 1  # gather in; reduce-scatter the gradient out
@@ -230,14 +228,15 @@ def estimate(
     p = problem_shape(cfg, mesh, dev, place)
     rest = weight_rest_bytes(p, mesh.product(place.hidden_axes))
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    memory = block_memory(
-        strategy, place.exchange, p, rest, calibration_key(strategy, place.exchange, cfg)
-    )
     key = calibration_key(strategy, place.exchange, cfg)
-    moved = traffic(strategy, place.exchange, p, memory, rounds, key)
+    counts = memory_parts(strategy, place.exchange, p)
+    memory = block_memory(p, rest, temp_from_parts(key, counts))
+    activations = temp_from_parts(key, activation_parts(counts))
+    moved = traffic(strategy, place.exchange, p, memory, rounds, activations)
     hw = cfg.hardware
+    flops = forward_flops(strategy, p) * p.passes
     parts = (
-        forward_flops(strategy, p) * p.passes / (hw.peak_bf16_tflops * 1e12),
+        flops / (hw.peak_bf16_tflops * 1e12),
         moved.hbm / (hw.hbm_bandwidth_gbps * 1e9),
         moved.ici / (hw.ici_bandwidth_gbps * 1e9) + moved.dcn / (hw.dcn_bandwidth_gbps * 1e9),
     )
@@ -245,7 +244,7 @@ def estimate(
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,
-        flops=forward_flops(strategy, p) * p.passes,
+        flops=flops,
         memory=memory,
         state_bytes=state,
         traffic=moved,
@@ -255,7 +254,14 @@ def estimate(
         fits=True,
         input_bytes=p.T * p.M * p.xb,
     )
-    return dataclasses.replace(est, fits=est.device_bytes <= hw.memory_gib * 2**30)
+    return with_memory(est, memory, hw.memory_gib)
+
+
+def with_memory(est: Estimate, memory: Memory, memory_gib: float) -> Estimate:
+    """`est` with the block's program holding `memory` (estimated, or as compiled), and
+    whether a device then fits a chip of `memory_gib`."""
+    est = dataclasses.replace(est, memory=memory)
+    return dataclasses.replace(est, fits=est.device_bytes <= memory_gib * 2**30)
 
 
 __all__ = [
@@ -271,4 +277,5 @@ __all__ = [
     "memory_parts",
     "problem_shape",
     "temp_from_parts",
+    "with_memory",
 ]

@@ -98,12 +98,10 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, 
 WEIGHT_PARTS = ("weights", "cast", "gathered", "reduced", "expert")
 
 
-def activation_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, float]:
-    """The parts that are activations (not copies of weights or their gradients): the
-    fitted coefficients on these price the activations' HBM traffic."""
-    return {
-        k: (0.0 if k in WEIGHT_PARTS else v) for k, v in memory_parts(strategy, exchange, p).items()
-    }
+def activation_parts(parts: dict[str, float]) -> dict[str, float]:
+    """Of `memory_parts`, those that are activations (not copies of weights or their
+    gradients): the fitted coefficients on these price the activations' HBM traffic."""
+    return {k: (0.0 if k in WEIGHT_PARTS else v) for k, v in parts.items()}
 
 
 class CalibrationMissing(KeyError):

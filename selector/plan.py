@@ -166,31 +166,20 @@ def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], 
     }
 
 
-def _experts_split(cfg: Config, live_shape) -> tuple[dict, Estimate] | None:
-    """At decode: the same config with the ici fsdp devices holding experts instead,
-    and what the selector would choose there (None when it has errors or no such
-    split). Configs only: a live mesh is what it is."""
-    if cfg.mode is not Mode.decode or live_shape is not None or cfg.ici_fsdp_parallelism == 1:
+def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estimate] | None:
+    """The same config with the ici fsdp devices holding experts instead (the expert
+    axis grown by fsdp's slice part, fsdp set to 1), and what the selector would choose
+    there; None when there is no such split or it has errors. Configs only: a live mesh
+    is what it is."""
+    fsdp = mesh.size("fsdp") // mesh.dcn_product(("fsdp",))
+    if live_shape is not None or fsdp <= 1:
         return None
-    if cfg.ici_fsdp_parallelism == -1 and cfg.num_devices is None:
-        return None
-    other = cfg.replace(ici_fsdp_parallelism=1, ici_expert_parallelism=-1)
-    if cfg.ici_fsdp_parallelism == -1 or cfg.ici_expert_parallelism == -1:
-        other = other.replace(**{f"ici_{a}_parallelism": n for a, n in _fixed_fills(cfg)})
-    plan, findings = _analyse(other, None)
+    expert = fsdp * mesh.size("expert") // mesh.dcn_product(("expert",))
+    overrides = {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": expert}
+    plan, findings = _analyse(cfg.replace(**overrides), None)
     if plan is None or errors_in(findings):
         return None
-    overrides = {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": plan.mesh.size("expert")}
     return overrides, plan.chosen_estimate
-
-
-def _fixed_fills(cfg: Config):
-    """The other ici axes that fill with -1, pinned to 1 so expert can fill instead."""
-    return [
-        (a, 1)
-        for a in ("data", "context", "context_usp_ulysses", "context_autoregressive", "tensor")
-        if cfg.parallelism("ici", a) == -1
-    ]
 
 
 def _analyse(
@@ -228,7 +217,9 @@ def _analyse(
     findings += rules.capacity_too_small(cfg, dev, strategy)
     findings += rules.capacity_costly(cfg, strategy, chosen, estimates)
     findings += rules.memory_fits(cfg, dev, chosen)
-    findings += rules.decode_gathers_weights(cfg, mesh, chosen, _experts_split(cfg, live_shape))
+    findings += rules.decode_gathers_weights(
+        cfg, chosen, lambda: _experts_split(cfg, mesh, live_shape)
+    )
     findings += rules.exchange_settings(
         cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup
+from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
 from ..cost import Estimate
 from ..derive import PerDevice, capacity
 from ..findings import Finding, error, fix, warning
@@ -247,19 +247,20 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
 DECODE_GATHER_RATIO = 100  # weights gathered per step against the tokens' own bytes
 
 
-def decode_gathers_weights(cfg: Config, mesh: MeshView, chosen: Estimate, alternative) -> list:
+def decode_gathers_weights(cfg: Config, chosen: Estimate, alternative) -> list:
     """Decode that gathers the expert weights for a handful of tokens: each step moves
-    every expert's weights to every device. `alternative` is (overrides, Estimate) of the
-    same config with the fsdp devices holding experts instead (None when there is none),
-    whose numbers the warning gives beside the chosen ones."""
-    from ..config import Mode
-
+    every expert's weights to every device. `alternative()` gives (overrides, Estimate)
+    of the same config with the fsdp devices holding experts instead, or None; it is a
+    second analysis, so it runs only once the chosen plan is found gathering."""
     if cfg.mode is not Mode.decode or chosen.exchange is not Exchange.gather:
         return []
     gathered = chosen.traffic.weight_gather
-    if gathered < DECODE_GATHER_RATIO * max(chosen.input_bytes, 1.0) or alternative is None:
+    if gathered < DECODE_GATHER_RATIO * max(chosen.input_bytes, 1.0):
         return []
-    overrides, other = alternative
+    split = alternative()
+    if split is None:
+        return []
+    overrides, other = split
     if other.time_s >= chosen.time_s / 2:
         return []
     knobs = " ".join(f"{k}={v}" for k, v in overrides.items())
