@@ -108,8 +108,9 @@ def load_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict, list[Path
 
 def custom_mesh_and_rule(raw: dict, files: list[Path]) -> tuple[dict, Path | None]:
     """MaxText 0.2.5's custom_mesh_and_rule=NAME: configs/custom_mesh_and_rule/NAME.yml
-    replaces mesh_axes, logical_axis_rules and data_sharding (read in its configs/types.py, not run). Returns the
-    replaced keys and the file read (none when the switch is off)."""
+    replaces mesh_axes, logical_axis_rules and data_sharding (read in its
+    configs/types.py, not run). Returns the replaced keys and the file read (none when
+    the switch is off)."""
     name = str(raw.get("custom_mesh_and_rule") or "")
     if not name:
         return {}, None
