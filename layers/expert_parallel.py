@@ -129,39 +129,11 @@ def _routing(group_sizes_E, ex: ExchangeGroup, local_experts: int):
     return starts.astype(jnp.int32), per_owner.astype(jnp.int32)
 
 
-def _rounds(counts_G, buffer_rows: int, ex: ExchangeGroup):
-    """Rounds every device runs: the largest send of any device, in buffers of B."""
+def rounds_needed(counts_G, buffer_rows: int, ex: ExchangeGroup):
+    """The global number of exchange rounds: the largest send of any device, in
+    buffers of B (every device agrees through one scalar pmax)."""
     most = lax.pmax(jnp.max(counts_G), ex.count_axes)
     return (most + buffer_rows - 1) // buffer_rows
-
-
-def rounds_needed(group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
-    """The global number of exchange rounds for this step's routing (int32 scalar)."""
-    _, counts_G = _routing(group_sizes_E, ex, local_experts)
-    return _rounds(counts_G, buffer_rows, ex)
-
-
-def _send(rows_RX, starts_G, counts_G, r, buffer_rows: int):
-    """(G, B, X): round r's rows for each owner, zero past the owner's count, and the
-    (G, B) mask of real rows."""
-    j = jnp.arange(buffer_rows)
-    offset_GB = r * buffer_rows + j[None, :]
-    valid_GB = offset_GB < counts_G[:, None]
-    index_GB = jnp.where(valid_GB, starts_G[:, None] + offset_GB, 0)
-    packed = jnp.take(rows_RX, index_GB.reshape(-1), axis=0).reshape(*index_GB.shape, -1)
-    return jnp.where(valid_GB[..., None], packed, 0), valid_GB, index_GB
-
-
-def _receive_back(out_RX, back_GBX, valid_GB, index_GB):
-    """Write round results (G, B, X) back to their rows of the sorted array."""
-    rows = out_RX.shape[0]
-    where = jnp.where(valid_GB, index_GB, rows).reshape(-1)  # `rows` is out of bounds: dropped
-    return out_RX.at[where].set(back_GBX.reshape(-1, back_GBX.shape[-1]), mode="drop")
-
-
-def _exchange(x_GBX, ex: ExchangeGroup):
-    """Send slot g of the buffer to group member g; receive member g's slot for us."""
-    return lax.all_to_all(x_GBX, ex.group_axes, 0, 0, tiled=True)
 
 
 def _slot_sizes(counts_G, r, buffer_rows: int):
@@ -169,144 +141,200 @@ def _slot_sizes(counts_G, r, buffer_rows: int):
     return jnp.clip(counts_G - r * buffer_rows, 0, buffer_rows).astype(jnp.int32)
 
 
+@dataclass(frozen=True)
+class _Round:
+    """Which rows travel in round r: for each (owner g, slot row j), the sorted row
+    `row_GB`, its token `token_GB`, and whether it is real (`valid_GB`)."""
+
+    row_GB: jax.Array
+    token_GB: jax.Array
+    valid_GB: jax.Array
+
+    @classmethod
+    def of(cls, r, starts_G, counts_G, token_R, buffer_rows: int):
+        offset_GB = r * buffer_rows + jnp.arange(buffer_rows)[None, :]
+        valid_GB = offset_GB < counts_G[:, None]
+        row_GB = jnp.where(valid_GB, starts_G[:, None] + offset_GB, 0)
+        return cls(row_GB, jnp.take(token_R, row_GB), valid_GB)
+
+    def pack_tokens(self, source_TX):
+        """(G, B, X): each slot row's token's row of `source_TX` (zero on empty rows)."""
+        packed = jnp.take(source_TX, self.token_GB, axis=0)
+        return jnp.where(self.valid_GB[..., None], packed, jnp.zeros((), source_TX.dtype))
+
+    def pack_rows(self, per_row_R, fill):
+        """(G, B): a per-row value of each slot row (`fill` on empty rows)."""
+        return jnp.where(self.valid_GB, jnp.take(per_row_R, self.row_GB), fill)
+
+    def add_to_tokens(self, out_TX, back_GBX):
+        """Each real slot row's result added to its token's row of `out_TX`."""
+        tokens = out_TX.shape[0]
+        where = jnp.where(self.valid_GB, self.token_GB, tokens).reshape(-1)  # out of bounds
+        values = back_GBX.reshape(-1, back_GBX.shape[-1]).astype(out_TX.dtype)
+        return out_TX.at[where].add(values, mode="drop")
+
+    def set_rows(self, out_R, back_GB):
+        """Each real slot row's value written to its sorted row of `out_R`."""
+        where = jnp.where(self.valid_GB, self.row_GB, out_R.shape[0]).reshape(-1)
+        return out_R.at[where].set(back_GB.reshape(-1).astype(out_R.dtype), mode="drop")
+
+
 class _Packed:
-    """all_to_all transport: each owner's rows are packed into its (B, X) slot."""
+    """all_to_all transport: slot g of the (G, B, X) buffer goes to member g whole."""
 
-    def __init__(self, starts_G, counts_G, ex: ExchangeGroup, buffer_rows: int):
-        self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
+    def __init__(self, counts_G, ex: ExchangeGroup, buffer_rows: int):
+        self.ex = ex
 
-    def to_owners(self, rows_RX, ids_R, r, local_experts):
-        """(rows received (G, B, X): slot g from member g, sorted by local expert; their
-        local expert ids (G, B), local_experts on empty rows; state for the trip back)."""
-        packed, valid, index = _send(rows_RX, self.starts, self.counts, r, self.b)
-        ids, _, _ = _send(ids_R[:, None], self.starts, self.counts, r, self.b)
-        ids = jnp.where(valid, ids[..., 0] % local_experts, local_experts)
-        got, got_ids = _exchange(packed, self.ex), _exchange(ids, self.ex)
-        return got, got_ids, (valid, index)
+    def to_owners(self, packed_GBX, r, fill):
+        """Slot g of `packed_GBX` to member g; returns member g's slot for us in slot g."""
+        return lax.all_to_all(packed_GBX, self.ex.group_axes, 0, 0, tiled=True)
 
-    def rows(self, rows_RX, r):
-        """(G, B, X): round r's rows of another per-row array, where to_owners puts x."""
-        packed, _, _ = _send(rows_RX, self.starts, self.counts, r, self.b)
-        return _exchange(packed, self.ex)
-
-    def back(self, out_RX, results_GBX, r, state):
-        valid, index = state
-        return _receive_back(out_RX, _exchange(results_GBX, self.ex), valid, index)
+    def back(self, results_GBX, r):
+        return lax.all_to_all(results_GBX, self.ex.group_axes, 0, 0, tiled=True)
 
 
 class _Ragged:
-    """ragged_all_to_all transport (GPU/TPU): each owner gets exactly its rows, written
-    into this device's slot of its (G*B, X) buffer; results return straight into the
-    sorted array. Needs the sources' counts and starts, exchanged once. Slot g of the
-    receive buffer holds member g's rows first, sorted by local expert, then zeros."""
+    """ragged_all_to_all transport (GPU/TPU): only the real rows of each slot cross the
+    link, into the same slot layout at the other end (the rest is `fill`). Needs what
+    each source sends this device, exchanged once."""
 
-    def __init__(self, starts_G, counts_G, ex: ExchangeGroup, buffer_rows: int):
-        self.starts, self.counts, self.ex, self.b = starts_G, counts_G, ex, buffer_rows
-        # What each source sends this device, and where its rows start over there.
-        self.recv_counts = _exchange(counts_G, ex)
-        self.recv_starts = _exchange(starts_G, ex)
+    def __init__(self, counts_G, ex: ExchangeGroup, buffer_rows: int):
+        self.counts, self.ex, self.b = counts_G, ex, buffer_rows
+        self.recv_counts = lax.all_to_all(counts_G, ex.group_axes, 0, 0, tiled=True)
         me = lax.axis_index(ex.group_axes)
         self.my_slot = jnp.full((ex.group_size,), me * buffer_rows, jnp.int32)
         self.slots = jnp.arange(ex.group_size, dtype=jnp.int32) * buffer_rows
 
-    def _send(self, operand, output, r, to_owners: bool):
-        if to_owners:
-            offsets, sizes = self.starts + r * self.b, _slot_sizes(self.counts, r, self.b)
-            where, recv = self.my_slot, _slot_sizes(self.recv_counts, r, self.b)
-        else:
-            offsets, sizes = self.slots, _slot_sizes(self.recv_counts, r, self.b)
-            where, recv = self.recv_starts + r * self.b, _slot_sizes(self.counts, r, self.b)
-        return lax.ragged_all_to_all(
-            operand, output, offsets, sizes, where, recv, axis_name=self.ex.group_axes
+    def _send(self, operand_GBX, sent_G, received_G, fill):
+        shape = operand_GBX.shape
+        operand = operand_GBX.reshape(-1, *shape[2:])
+        output = varying_like(jnp.full(operand.shape, fill, operand.dtype), operand)
+        got = lax.ragged_all_to_all(
+            operand,
+            output,
+            self.slots,  # slot g of this device's buffer goes to member g
+            sent_G,
+            self.my_slot,  # and lands in this device's slot of member g's buffer
+            received_G,
+            axis_name=self.ex.group_axes,
         )
+        return got.reshape(shape)
 
-    def to_owners(self, rows_RX, ids_R, r, local_experts):
-        n = self.ex.group_size * self.b
-        empty = varying_like(jnp.full((n, 1), -1, jnp.int32), ids_R)
-        got_ids = self._send(ids_R[:, None].astype(jnp.int32), empty, r, to_owners=True)[:, 0]
-        got_ids = jnp.where(got_ids < 0, local_experts, got_ids % local_experts)
-        slots = (self.ex.group_size, self.b)
-        return self.rows(rows_RX, r), got_ids.reshape(slots), None
+    def to_owners(self, packed_GBX, r, fill):
+        sent = _slot_sizes(self.counts, r, self.b)
+        return self._send(packed_GBX, sent, _slot_sizes(self.recv_counts, r, self.b), fill)
 
-    def rows(self, rows_RX, r):
-        """(G, B, X): round r's rows of a per-row array, slot g from member g."""
-        n = self.ex.group_size * self.b
-        out = varying_like(jnp.zeros((n, rows_RX.shape[1]), rows_RX.dtype), rows_RX)
-        got = self._send(rows_RX, out, r, to_owners=True)
-        return got.reshape(self.ex.group_size, self.b, -1)
-
-    def back(self, out_RX, results_GBX, r, state):
-        results_NX = results_GBX.reshape(-1, results_GBX.shape[-1]).astype(out_RX.dtype)
-        return self._send(results_NX, out_RX, r, to_owners=False)
+    def back(self, results_GBX, r):
+        sent = _slot_sizes(self.recv_counts, r, self.b)
+        return self._send(results_GBX, sent, _slot_sizes(self.counts, r, self.b), 0)
 
 
 TRANSPORTS = {"all_to_all": _Packed, "ragged_all_to_all": _Ragged}
 
 
-def _transport(group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
-    starts_G, counts_G = _routing(group_sizes_E, ex, local_experts)
-    rounds = _rounds(counts_G, buffer_rows, ex)
-    return TRANSPORTS[ex.backend](starts_G, counts_G, ex, buffer_rows), rounds
+@dataclass(frozen=True)
+class _Plan:
+    """This step's exchange: who sends what where, and how many rounds it takes."""
+
+    starts_G: jax.Array
+    counts_G: jax.Array
+    rounds: jax.Array
+    move: object  # a transport
+
+    @classmethod
+    def of(cls, group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
+        starts_G, counts_G = _routing(group_sizes_E, ex, local_experts)
+        rounds = rounds_needed(counts_G, buffer_rows, ex)
+        move = TRANSPORTS[ex.backend](counts_G, ex, buffer_rows)
+        return cls(starts_G, counts_G, rounds, move)
+
+    def round(self, r, token_R, buffer_rows: int) -> _Round:
+        return _Round.of(r, self.starts_G, self.counts_G, token_R, buffer_rows)
 
 
-def _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex: ExchangeGroup, buffer_rows: int):
+def _receive_round(plan: _Plan, rnd: _Round, r, x_TM, ids_R, scale_R, local_experts):
+    """At the owners: round r's rows (G, B, M), their local expert ids (G, B; empty rows
+    local_experts, so a slot reads sorted with its empty rows last) and routing weights."""
+    x_GBM = plan.move.to_owners(rnd.pack_tokens(x_TM), r, 0)
+    ids_GB = rnd.pack_rows(ids_R % local_experts, local_experts)
+    # Per-row values travel as (G, B), not (G, B, 1): TPU tiles pad a minor dim of 1
+    # to 128 lanes.
+    ids_GB = plan.move.to_owners(ids_GB, r, local_experts)
+    scale_GB = plan.move.to_owners(rnd.pack_rows(scale_R, 0), r, 0)
+    return x_GBM, ids_GB, scale_GB
+
+
+def _forward_rounds(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
     local_experts = w[0].shape[0]
-    move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
-    emb = w[2].shape[2]
-    y0 = varying_like(jnp.zeros((x_RM.shape[0], emb), ex.dtype), x_RM, *w)
+    plan = _Plan.of(group_sizes_E, ex, local_experts, buffer_rows)
+    y0 = varying_like(jnp.zeros((x_TM.shape[0], w[2].shape[2]), ex.dtype), x_TM, *w)
 
-    def slot(x_ids_scale):
-        x_BM, ids_B, scale_B = x_ids_scale
-        return _slot_swiglu(x_BM, ids_B, w, scale_B, local_experts, ex.gmm_backend, ex.platform)
+    def one_round(r, y_TM):
+        rnd = plan.round(r, token_R, buffer_rows)
+        x_GBM, ids_GB, scale_GB = _receive_round(plan, rnd, r, x_TM, ids_R, scale_R, local_experts)
+        x_GBM = varying_like(x_GBM, *w)
 
-    def one_round(r, y_RM):
-        x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
-        scale_GB = move.rows(scale_R[:, None], r)[..., 0]
-        # One slot at a time, so the hidden-sized buffers are B rows, not G x B.
-        return move.back(y_RM, lax.map(slot, (x_GBM, ids_GB, scale_GB)), r, state)
+        def one_slot(g, buffer_GBM):
+            # One slot at a time, so the hidden-sized buffers are B rows, not G x B; each
+            # slot's result replaces its rows (read by this slot only), so no second
+            # receive-sized buffer is held.
+            y_BM = _slot_swiglu(
+                buffer_GBM[g], ids_GB[g], w, scale_GB[g], local_experts, ex.gmm_backend, ex.platform
+            )
+            return lax.dynamic_update_index_in_dim(buffer_GBM, y_BM.astype(buffer_GBM.dtype), g, 0)
 
-    return lax.fori_loop(0, rounds, one_round, y0)
+        y_GBM = lax.fori_loop(0, ex.group_size, one_slot, x_GBM)
+        return rnd.add_to_tokens(y_TM, plan.move.back(y_GBM, r))
+
+    return lax.fori_loop(0, plan.rounds, one_round, y0), plan.rounds
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def exchange_swiglu(x_RM, ids_R, group_sizes_E, w, scale_R, ex: ExchangeGroup, buffer_rows: int):
-    """SwiGLU of each routed row with its expert, on the device that owns the expert,
-    the activation scaled by the row's routing weight before `wo`.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def exchange_swiglu(
+    x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex: ExchangeGroup, buffer_rows: int
+):
+    """The routed rows' SwiGLU, each row on the device that owns its expert, summed back
+    into the tokens: (y_TM, rounds).
 
-    x_RM: this device's routed rows sorted by global expert id (ids_R, group_sizes_E the
-    rows per global expert); w = (wi_0, wi_1, wo) of this device's L experts; scale_R
-    each row's routing weight. Returns y_RM (already weighted) in the same row order.
+    x_TM: this device's tokens in the compute dtype; rows are listed sorted by global
+    expert id: token_R each row's token, ids_R its expert, group_sizes_E the rows per
+    expert, scale_R its routing weight (applied to the activation before `wo`). w =
+    (wi_0, wi_1, wo) of this device's L experts. Rows are packed for each round straight
+    from the tokens and their results added straight back, so no (rows x emb) array is
+    ever held, forward or backward: only the round buffers of G x B rows. `rounds` is
+    the round count (int32), for the statistics.
     """
-    return _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
+    return _forward_rounds(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
 
 
-def _fwd(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
-    y = _forward_rounds(x_RM, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
-    return y, (x_RM, ids_R, group_sizes_E, w, scale_R)
+def _fwd(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
+    y, rounds = _forward_rounds(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
+    return (y, rounds), (x_TM, token_R, ids_R, group_sizes_E, w, scale_R)
 
 
-def _bwd(ex: ExchangeGroup, buffer_rows: int, res, dy_RM):
-    x_RM, ids_R, group_sizes_E, w, scale_R = res
+def _bwd(ex: ExchangeGroup, buffer_rows: int, res, cotangents):
+    x_TM, token_R, ids_R, group_sizes_E, w, scale_R = res
+    dy_TM, _ = cotangents
     local_experts = w[0].shape[0]
-    move, rounds = _transport(group_sizes_E, ex, local_experts, buffer_rows)
+    plan = _Plan.of(group_sizes_E, ex, local_experts, buffer_rows)
     # Rows and weights are made to vary over each other's mesh axes before the slots'
     # pullbacks, so no slot sums anything over the mesh: dx (summed over the axes only
     # the weights split, tensor) and dw (summed over the axes only the rows split) are
     # summed once, at the end, instead of once per slot.
-    w_v = tuple(varying_like(a, x_RM) for a in w)
-    dx0 = varying_like(jnp.zeros_like(x_RM), *w)
-    dscale0 = varying_like(jnp.zeros((x_RM.shape[0], 1), scale_R.dtype), *w, x_RM)
+    w_v = tuple(varying_like(a, x_TM) for a in w)
+    dx0 = varying_like(jnp.zeros_like(x_TM), *w)
+    dscale0 = varying_like(jnp.zeros(scale_R.shape, scale_R.dtype), *w, x_TM)
     dw0 = tuple(varying_like(jnp.zeros(a.shape, jnp.float32), a) for a in w_v)
-    dy_RM = varying_like(dy_RM.astype(x_RM.dtype), *w)
+    dy_TM = varying_like(dy_TM.astype(x_TM.dtype), *w)
 
     def one_round(r, carry):
-        dx_RM, dscale_R1, dw = carry
+        dx_TM, dscale_R, dw = carry
+        rnd = plan.round(r, token_R, buffer_rows)
         # Rows and their cotangents travel as two exchanges of the same slots (a
         # concatenation would hold another copy of both).
-        x_GBM, ids_GB, state = move.to_owners(x_RM, ids_R, r, local_experts)
-        dy_GBM, _, _ = move.to_owners(dy_RM, ids_R, r, local_experts)
-        scale_GB = varying_like(move.rows(scale_R[:, None], r)[..., 0], *w)
-        x_GBM = varying_like(x_GBM, *w)
+        x_GBM, ids_GB, scale_GB = _receive_round(plan, rnd, r, x_TM, ids_R, scale_R, local_experts)
+        dy_GBM = plan.move.to_owners(rnd.pack_tokens(dy_TM), r, 0)
+        x_GBM, scale_GB = varying_like(x_GBM, *w), varying_like(scale_GB, *w)
 
         def one_slot(g, slot_carry):
             # Each slot's input gradient replaces its rows in x_GBM (they are read only
@@ -330,13 +358,14 @@ def _bwd(ex: ExchangeGroup, buffer_rows: int, res, dy_RM):
         dx_GBM, dscale_GB, dw = lax.fori_loop(
             0, ex.group_size, one_slot, (x_GBM, jnp.zeros_like(scale_GB), dw)
         )
-        dx_RM = move.back(dx_RM, dx_GBM, r, state)
-        return dx_RM, move.back(dscale_R1, dscale_GB[..., None], r, state), dw
+        dx_TM = rnd.add_to_tokens(dx_TM, plan.move.back(dx_GBM, r))
+        dscale_R = rnd.set_rows(dscale_R, plan.move.back(dscale_GB, r))
+        return dx_TM, dscale_R, dw
 
-    dx_RM, dscale_R1, dw = lax.fori_loop(0, rounds, one_round, (dx0, dscale0, dw0))
+    dx_TM, dscale_R, dw = lax.fori_loop(0, plan.rounds, one_round, (dx0, dscale0, dw0))
     dw = tuple(reduce_like(g.astype(a.dtype), a) for g, a in zip(dw, w, strict=True))
-    dscale_R = reduce_like(dscale_R1[:, 0], scale_R)
-    return reduce_like(dx_RM, x_RM), None, None, dw, dscale_R
+    dscale_R = reduce_like(dscale_R, scale_R)
+    return reduce_like(dx_TM, x_TM), None, None, None, dw, dscale_R
 
 
 exchange_swiglu.defvjp(_fwd, _bwd)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .expert_parallel import exchange_swiglu, rounds_needed
+from .expert_parallel import exchange_swiglu
 from .ffn import ExpertWeights, swiglu
 from .grouped_matmul import gmm, gmm_multi
 from .router import GLOBAL_PREFIX, partial_stats, route
@@ -26,9 +26,10 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
     with jax.named_scope("permute"):
         ids_R = ids_TK.reshape(-1)
         order_R = jnp.argsort(ids_R, stable=True)
+        token_R = order_R // spec.top_k  # the token of each sorted row
         group_sizes_E = jnp.zeros((spec.num_experts,), jnp.int32).at[ids_R].add(1)
         dt = spec.compute_dtype
-        x_RM = jnp.take(x_TM.astype(dt), order_R // spec.top_k, axis=0)
+        x_TM = x_TM.astype(dt)
     with jax.named_scope("expert_compute"):
         experts = (w.wi_0_EMH.astype(dt), w.wi_1_EMH.astype(dt), w.wo_EHM.astype(dt))
         # The routing weight scales each row's activation before `wo` (the same
@@ -36,25 +37,26 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         # copy of the expert outputs: the weight's gradient reads the (rows x hidden)
         # activation the grouped matmul keeps anyway.
         weights_R = jnp.take(weights_TK.reshape(-1), order_R).astype(dt)
-        if spec.exchange is not None:  # rows travel to their experts' owners and back
+        if spec.exchange is not None:
+            # Rows travel to their experts' owners and back, packed round by round
+            # straight from the tokens and added straight back into them.
             ex = spec.exchange
             sorted_ids_R = jnp.take(ids_R, order_R)
-            buffer = ex.buffer_rows(x_RM.shape[0])
-            y_RM = exchange_swiglu(
-                x_RM, sorted_ids_R, group_sizes_E, experts, weights_R, ex, buffer
+            buffer = ex.buffer_rows(ids_R.shape[0])
+            y_TM, rounds = exchange_swiglu(
+                x_TM, token_R, sorted_ids_R, group_sizes_E, experts, weights_R, ex, buffer
             )
-            rounds = rounds_needed(group_sizes_E, ex, experts[0].shape[0], buffer)
         else:
             kernel = dict(backend=spec.gmm_backend, platform=spec.platform)
+            x_RM = jnp.take(x_TM, token_R, axis=0)
             gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, **kernel)
             act_RH = swiglu(gate_RH, up_RH) * weights_R[:, None]
             y_RM = gmm(act_RH, experts[2], group_sizes_E, **kernel)
-    with jax.named_scope("unpermute_combine"):
-        # The rows are already weighted: each token sums its k rows, added straight from
-        # sorted order (its backward reads the token's gradient for each row), so no
-        # (tokens, k, emb) copy of the rows is made either way.
-        token_R = order_R // spec.top_k
-        y_TM = jnp.zeros((batch * seq, emb), dt).at[token_R].add(y_RM)
+            with jax.named_scope("unpermute_combine"):
+                # The rows are already weighted: each token sums its k rows, added
+                # straight from sorted order (its backward reads the token's gradient
+                # for each row), so no (tokens, k, emb) copy of the rows is made.
+                y_TM = jnp.zeros((batch * seq, emb), dt).at[token_R].add(y_RM)
     sums = partial_stats(probs_TE, ids_TK, 0)
     if spec.exchange is not None:
         sums[GLOBAL_PREFIX + "exchange_rounds"] = rounds.astype(jnp.float32)

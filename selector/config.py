@@ -198,8 +198,10 @@ class Config:
     expert_exchange: Exchange = Exchange.auto
     expert_group: ExpertGroup = ExpertGroup.auto
     # Rows a device may send each expert owner per exchange round, as a multiple of the
-    # even share; more rows take more rounds, never a drop.
-    expert_buffer_factor: float = 1.125
+    # even share; more rows take more rounds, never a drop. The round buffers are most of
+    # what the exchange holds, so the default sizes a round at half of 1.125: balanced
+    # routing takes two rounds, each buffer about half the device's routed rows.
+    expert_buffer_factor: float = 0.5625
     allow_local_batch_inflation: bool = False
     gmm_backend: GmmBackend = GmmBackend.auto
     # Compile the chosen candidate and the runner-up for the hardware on this machine

@@ -67,7 +67,8 @@ def test_matches_reference_and_the_gathered_statistics(jax_cpu8, mesh_name):
     _, gathered_stats, _, _ = loss_and_grads(gathered, x, cot)
     for key in ("load_balance_loss", "tokens_per_expert", "dropped_tokens", "nonfinite_tokens"):
         np.testing.assert_array_equal(stats[key], gathered_stats[key], err_msg=key)
-    assert float(stats["exchange_rounds"]) == 1  # balanced routing fits one round
+    # Balanced routing takes two rounds: the default B is half of 1.125 x the even share.
+    assert float(stats["exchange_rounds"]) == 2
 
 
 def skew(model, x, kind: str):
