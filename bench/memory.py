@@ -35,8 +35,9 @@ from bench.common import (  # noqa: E402
     save,
     table,
 )
+from bench.flatten_baseline import flatten_block_forward  # noqa: E402
 from bench.points import Point, measure  # noqa: E402
-from layers.programs import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
+from layers.compiled import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
 
 SHAPE = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
 CPS = (1, 2, 4, 8)
@@ -66,7 +67,7 @@ def flatten_row(cp: int) -> dict:
     block = nnx.eval_shape(
         lambda: layers.MoEBlock(cfg, mesh=layers.make_mesh(p.mesh), rngs=nnx.Rngs(0))
     )
-    m = compile_fwd_bwd(block, 1, p.seq, flatten_baseline=True).memory_analysis()
+    m = compile_fwd_bwd(block, 1, p.seq, forward=flatten_block_forward(block)).memory_analysis()
     return {
         "variant": "flatten (baseline)",
         "cp": cp,

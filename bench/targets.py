@@ -233,7 +233,7 @@ def real_rows() -> list[dict]:
 
     import layers
     import selector
-    from layers.programs import compile_fwd_bwd
+    from layers.compiled import compile_fwd_bwd
     from selector import targets
 
     target = targets.Target("v5p", 64)

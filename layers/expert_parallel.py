@@ -2,31 +2,36 @@
 
 The expert dim of the weights rests split over the expert group (G devices, E_l = E / G
 experts each; expert e lives on group member e // E_l). Inside the block's shard_map a
-device has routed its own tokens and sorted their rows by expert, so the rows for each
-owner are one contiguous run. The exchange is dropless with static, bounded buffers:
+device has routed its own tokens and listed their rows sorted by expert (a row is a
+token index, not a copy of the token), so the rows for each owner are one contiguous
+run of that list. The exchange is dropless with static, bounded buffers:
 
-- each round, a device sends at most B rows to every owner (one `all_to_all` of a
-  (G, B, M) buffer over the group), the owner runs its experts on what it received
-  one slot (one sender's B rows) at a time, and the results come back by a second
-  `all_to_all`. A slot arrives sorted by local expert with its empty rows last, so the
-  grouped matmul reads it in place (no sort copy), and the hidden-sized buffers hold B
-  rows, not G x B;
+- each round, a device packs at most B rows for every owner straight from its tokens
+  into a (G, B, M) buffer, sends slot g to member g (one all-to-all over the group),
+  the owner runs its experts on what it received one slot (one sender's B rows) at a
+  time, writing each slot's result over its rows, and the results come back by a
+  second all-to-all and are added straight into the tokens. A slot arrives sorted by
+  local expert with its empty rows last, so the grouped matmul reads it in place (no
+  sort copy). No (rows x emb) array is ever held: only the round buffers, and the
+  hidden-sized buffers hold B rows, not G x B;
 - the number of rounds is ceil(max rows any device sends any owner / B), agreed by
-  one scalar `pmax`; under balanced routing B (buffer_factor x the even share, rounded
-  to 8 rows) holds everything in one round, and skewed routing (every token to one
-  expert) takes more rounds instead of dropping rows or sizing buffers for the worst
-  case (G x the local rows, which would give back everything cp saved).
+  one scalar `pmax` (counted once a step: the backward reuses the forward's count).
+  Round buffers are what the exchange holds, so B is a fraction of the even share
+  (`expert_buffer_factor`, default 0.5625: two rounds under balanced routing), and
+  skewed routing (every token to one expert) takes more rounds instead of dropping rows
+  or sizing buffers for the worst case (G x the local rows, which would give back
+  everything cp saved).
 
 The rounds are a while loop, which reverse-mode autodiff cannot cross, so the exchange
-has a custom VJP: the backward pass runs the same rounds, sending each row's input and
-output cotangent to its owner, which recomputes its part of the forward, returns the
-input cotangent and accumulates its weight gradient locally, slot by slot. Expert
+has a custom VJP: the backward pass runs the same rounds, packing each row's input and
+output cotangent from the tokens and their cotangents, sending them to the owner, which
+recomputes its part of the forward, returns the input cotangent (added into the
+tokens' cotangent) and accumulates its weight gradient locally, slot by slot. Expert
 weights and their gradients never leave their owner.
 
-Backends: `all_to_all` (runs everywhere, XLA:CPU included) packs each owner's rows
-into its slot of the (G, B, M) buffer; `ragged_all_to_all` (GPU/TPU; XLA:CPU cannot run
-it) sends each owner exactly its rows straight from the sorted array into the same slot
-layout, skipping the padding bytes.
+Backends: `all_to_all` (runs everywhere, XLA:CPU included) sends each (B, X) slot
+whole; `ragged_all_to_all` (GPU/TPU; XLA:CPU cannot run it) sends only each slot's real
+rows into the same slot layout at the other end, skipping the padding bytes.
 
 Legend: R routed rows on this device, G group size, B rows per owner per round,
 E global experts, L local experts (E / G), M embedding, H hidden (per hidden shard).
@@ -242,9 +247,13 @@ class _Plan:
     move: object  # a transport
 
     @classmethod
-    def of(cls, group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int):
+    def of(
+        cls, group_sizes_E, ex: ExchangeGroup, local_experts: int, buffer_rows: int, rounds=None
+    ):
+        """`rounds`: the forward's count, passed to the backward (counted once a step)."""
         starts_G, counts_G = _routing(group_sizes_E, ex, local_experts)
-        rounds = rounds_needed(counts_G, buffer_rows, ex)
+        if rounds is None:
+            rounds = rounds_needed(counts_G, buffer_rows, ex)
         move = TRANSPORTS[ex.backend](counts_G, ex, buffer_rows)
         return cls(starts_G, counts_G, rounds, move)
 
@@ -309,14 +318,14 @@ def exchange_swiglu(
 
 def _fwd(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows):
     y, rounds = _forward_rounds(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_rows)
-    return (y, rounds), (x_TM, token_R, ids_R, group_sizes_E, w, scale_R)
+    return (y, rounds), (x_TM, token_R, ids_R, group_sizes_E, w, scale_R, rounds)
 
 
 def _bwd(ex: ExchangeGroup, buffer_rows: int, res, cotangents):
-    x_TM, token_R, ids_R, group_sizes_E, w, scale_R = res
+    x_TM, token_R, ids_R, group_sizes_E, w, scale_R, rounds = res
     dy_TM, _ = cotangents
     local_experts = w[0].shape[0]
-    plan = _Plan.of(group_sizes_E, ex, local_experts, buffer_rows)
+    plan = _Plan.of(group_sizes_E, ex, local_experts, buffer_rows, rounds)
     # Rows and weights are made to vary over each other's mesh axes before the slots'
     # pullbacks, so no slot sums anything over the mesh: dx (summed over the axes only
     # the weights split, tensor) and dw (summed over the axes only the rows split) are

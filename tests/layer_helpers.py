@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from reference import reference_choices, reference_keep, reference_moe
 
 import layers
 import selector
-from layers.programs import block_forward, compile_fwd_bwd
-from layers.reference import reference_choices, reference_keep, reference_moe
+from layers.compiled import block_forward, compile_fwd_bwd
 
 
 def build(

@@ -53,7 +53,7 @@ def test_chosen_and_runner_up_compiled_with_xla_numbers(compiled_small, jax_cpu8
     from flax import nnx
 
     import layers
-    from layers.programs import compile_fwd_bwd
+    from layers.compiled import compile_fwd_bwd
 
     plan, findings, result, made = compiled_small
     assert len(result.compiled) == 2 and not result.changed

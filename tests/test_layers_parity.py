@@ -12,8 +12,7 @@ from layer_helpers import (
     loss_and_grads,
     reference_grads,
 )
-
-from layers.reference import reference_choices, reference_keep, reference_moe
+from reference import reference_choices, reference_keep, reference_moe
 
 BATCH, SEQ = 8, 32
 STRATEGIES = ["dense", "megablox", "subgroup_capacity"]

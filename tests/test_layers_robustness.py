@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from layer_helpers import assert_close, build, host_weights, inputs, loss_and_grads
-
-from layers.reference import reference_keep, reference_moe
+from reference import reference_keep, reference_moe
 
 MESH = {"data": 2, "context": 4}
 BATCH, SEQ = 2, 64

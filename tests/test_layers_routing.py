@@ -18,8 +18,7 @@ from layer_helpers import (
     loss_and_grads,
     reference_grads,
 )
-
-from layers.reference import reference_choices, reference_moe
+from reference import reference_choices, reference_moe
 
 BATCH, SEQ = 8, 32
 MESHES = {
@@ -109,7 +108,7 @@ def test_capacity_rounding_drops_what_each_formula_drops(jax_cpu8, rounding, exp
     assert model.spec.capacity(50) == expected
     x, cot = inputs(2, 50)
     _, stats, _, _ = loss_and_grads(model, x, cot)
-    from layers.reference import reference_keep
+    from reference import reference_keep
 
     keep = reference_keep(host_weights(model), x, model.spec, 1)
     _, ref = reference_moe(host_weights(model), x, model.spec, keep)
@@ -121,7 +120,7 @@ def test_routed_bias_update_moves_load_towards_balance(jax_cpu8):
     over-loaded one's falls, one at the mean stays; applied step after step to a router
     whose bias starts skewed towards expert 0 (DeepSeek-V3 routing, where the bias only
     chooses), expert 0's load comes at least half-way back to the mean."""
-    from layers.programs import block_forward
+    from layers.compiled import block_forward
     from layers.router import update_routed_bias
 
     bias = jnp.zeros((4,), jnp.float32)

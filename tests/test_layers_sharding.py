@@ -8,7 +8,8 @@ import pytest
 from hlo import classify, collectives, dot_flops
 from layer_helpers import build, compiled_fwd_bwd, weight_shapes
 
-from layers.programs import compile_fwd_bwd
+from bench.flatten_baseline import flatten_block_forward
+from layers.compiled import compile_fwd_bwd
 
 BATCH, SEQ, EMB = 2, 2048, 64
 CP1, CP4 = {"data": 2, "context": 1}, {"data": 2, "context": 4}
@@ -66,7 +67,7 @@ def test_memory_per_device_at_cp4_is_under_030_of_cp1(jax_cpu8, strategy):
 def test_the_checker_catches_the_flatten_baseline(jax_cpu8):
     """Today's flatten-and-sort-globally block does move activations: the check sees it."""
     model, _ = compiled("megablox", CP4)
-    program = compile_fwd_bwd(model, BATCH, SEQ, flatten_baseline=True)
+    program = compile_fwd_bwd(model, BATCH, SEQ, forward=flatten_block_forward(model))
     assert traffic(model, program)["activations"]
 
 

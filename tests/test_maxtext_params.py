@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from layer_helpers import ROUTINGS, assert_close, build, host_weights, inputs
+from reference import reference_moe
 
 from layers.maxtext_params import layout_for, load_maxtext, to_maxtext
-from layers.reference import reference_moe
 
 VARIABLES = {"Param", "MoEBiasVar"}  # leaves of the tree
 SOURCES = ("layers/moe.py", "layers/linears.py", "models/qwen3.py")

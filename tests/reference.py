@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ffn import ExpertWeights, dense_ffn
-from .spec import MoESpec
+from layers.ffn import ExpertWeights, dense_ffn
+from layers.spec import MoESpec
 
 
 def _scores(logits_E: np.ndarray, score_func: str) -> np.ndarray:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import jax
 
-from . import megablox
-from .ffn import ExpertWeights
-from .router import finish_stats
-from .sharding import Layout
-from .spec import MoESpec
+from layers import megablox
+from layers.ffn import ExpertWeights
+from layers.router import finish_stats
+from layers.sharding import Layout
+from layers.spec import MoESpec
 
 
 def flatten_forward(layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
@@ -27,3 +27,9 @@ def flatten_forward(layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
     y_BSM, sums = megablox.local_forward(x_BSM, w, spec)
     y_BSM = jax.lax.with_sharding_constraint(y_BSM, layout.named(layout.x_BSM))
     return y_BSM, finish_stats(sums, spec.top_k)
+
+
+def flatten_block_forward(model):
+    """forward(weights, x_BSM) -> (y_BSM, stats) of the baseline, on `model`'s layout
+    and spec (for `layers.compiled.compile_fwd_bwd(..., forward=...)`)."""
+    return lambda w, x: flatten_forward(model.layout, model.spec, x, w)
