@@ -24,25 +24,18 @@ import jax
 import numpy as np
 
 from .ffn import ExpertWeights
+from .weights import WEIGHTS
 
-# Our ExpertWeights field -> its path inside a RoutedMoE tree / the shared-expert trees.
-ROUTED = {
-    "gate_ME": ("gate", "kernel"),
-    "bias_E": ("gate", "bias"),
-    "wi_0_EMH": ("wi_0",),
-    "wi_1_EMH": ("wi_1",),
-    "wo_EHM": ("wo",),
-}
-SHARED = {
-    "shared_wi_0_MS": ("wi_0", "kernel"),
-    "shared_wi_1_MS": ("wi_1", "kernel"),
-    "shared_wo_SM": ("wo", "kernel"),
-}
-# Layout name -> (prefix of the routed tree, prefix of the shared MLP, path of the gate)
+# Layout name -> where each part of `layers.weights` sits in MaxText's tree (the prefix
+# of its subtree; a part the module lacks is absent).
 LAYOUTS = {
-    "routed": ((), None, None),
-    "routed_and_shared": (("MoeBlock_0",), ("shared_experts",), None),
-    "qwen3_next": (("routed_experts",), ("shared_expert",), ("shared_expert_gate", "kernel")),
+    "routed": {"routed": ()},
+    "routed_and_shared": {"routed": ("MoeBlock_0",), "shared": ("shared_experts",)},
+    "qwen3_next": {
+        "routed": ("routed_experts",),
+        "shared": ("shared_expert",),
+        "shared_gate": ("shared_expert_gate",),
+    },
 }
 
 
@@ -55,13 +48,8 @@ def layout_for(block) -> str:
 
 def paths(layout: str) -> dict[str, tuple[str, ...]]:
     """ExpertWeights field -> path in the MaxText tree of `layout`."""
-    routed, shared, gate = LAYOUTS[layout]
-    out = {name: routed + path for name, path in ROUTED.items()}
-    if shared is not None:
-        out |= {name: shared + path for name, path in SHARED.items()}
-    if gate is not None:
-        out["shared_gate_M1"] = gate
-    return out
+    prefixes = LAYOUTS[layout]
+    return {w.field: prefixes[w.part] + w.maxtext for w in WEIGHTS if w.part in prefixes}
 
 
 def to_maxtext(block, layout: str | None = None) -> dict:

@@ -26,6 +26,7 @@ from .router import finish_stats, partial_stats, route, split_global
 from .sharding import Layout, check_mesh, gather
 from .spec import MoESpec
 from .vma import varying_like
+from .weights import WEIGHTS
 
 
 def _mlp_local(x_BSM, w: ExpertWeights, spec: MoESpec):
@@ -226,43 +227,34 @@ class MoEBlock(nnx.Module):
         self.shared_expert_gate = nnx.data(gate)
 
     def param_layout(self) -> tuple[list[str], list[tuple[int, ...]], list]:
-        """(names, shapes, at-rest NamedShardings) of the initialised parameters, by
-        their ExpertWeights field names."""
+        """(names, shapes, at-rest NamedShardings) of the parameters created at init, by
+        their ExpertWeights field names (`layers.weights`; the router's bias is created
+        apart, as zeros)."""
         s = self.spec
-        emb, hidden, experts, shared = s.emb, s.hidden, s.num_experts, s.shared_hidden
-        shapes = {
-            "gate_ME": (emb, experts),
-            "wi_0_EMH": (experts, emb, hidden),
-            "wi_1_EMH": (experts, emb, hidden),
-            "wo_EHM": (experts, hidden, emb),
+        sizes = {"M": s.emb, "E": s.num_experts, "H": s.hidden, "S": s.shared_hidden, "1": 1}
+        held = {
+            "routed": True,
+            "shared": bool(s.shared_hidden),
+            "shared_gate": s.shared_expert_gate,
         }
-        if shared:
-            shapes |= {
-                "shared_wi_0_MS": (emb, shared),
-                "shared_wi_1_MS": (emb, shared),
-                "shared_wo_SM": (shared, emb),
-            }
-        if s.shared_expert_gate:
-            shapes["shared_gate_M1"] = (emb, 1)
+        created = [w for w in WEIGHTS if held[w.part] and w.field != "bias_E"]
         specs = self.layout.weight_specs()
-        names = list(shapes)
-        return names, [shapes[n] for n in names], [self.layout.named(specs[n]) for n in names]
+        return (
+            [w.field for w in created],
+            [tuple(sizes[letter] for letter in w.letters) for w in created],
+            [self.layout.named(specs[w.field]) for w in created],
+        )
 
     def variables(self) -> dict[str, nnx.Variable | None]:
         """The nnx variable behind each ExpertWeights field (None where the model has
-        none): the one map from MaxText's module tree to the strategies' names."""
-        shared, gate = self.shared_experts, self.shared_expert_gate
-        return {
-            "gate_ME": self.gate.kernel,
-            "wi_0_EMH": self.wi_0,
-            "wi_1_EMH": self.wi_1,
-            "wo_EHM": self.wo,
-            "bias_E": self.gate.bias,
-            "shared_wi_0_MS": None if shared is None else shared.wi_0.kernel,
-            "shared_wi_1_MS": None if shared is None else shared.wi_1.kernel,
-            "shared_wo_SM": None if shared is None else shared.wo.kernel,
-            "shared_gate_M1": None if gate is None else gate.kernel,
-        }
+        none), found at its module path in `layers.weights`."""
+        out = {}
+        for w in WEIGHTS:
+            node = self
+            for name in w.module:
+                node = None if node is None else getattr(node, name)
+            out[w.field] = node
+        return out
 
     def weights(self) -> ExpertWeights:
         """The parameters as a pytree (abstract ShapeDtypeStructs under nnx.eval_shape)."""

@@ -16,6 +16,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .weights import WEIGHTS, Weight
+
 
 def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
     """A mesh with auto axis types; `sizes` maps axis names (selector spelling) to sizes."""
@@ -125,34 +127,18 @@ class Layout:
     def replicated(self) -> P:
         return P()
 
-    # Weights at rest (MaxText: gate (embed, None); wi (exp, embed, mlp); wo (exp, mlp, embed)).
-    @property
-    def gate_ME(self) -> P:
-        return P(spec_entry(self.embed), None)
-
-    @property
-    def w_EMH(self) -> P:
-        return P(spec_entry(self.experts), spec_entry(self.embed), spec_entry(self.hidden))
-
-    @property
-    def w_EHM(self) -> P:
-        return P(spec_entry(self.experts), spec_entry(self.hidden), spec_entry(self.embed))
+    def weight_spec(self, weight: Weight) -> P:
+        """A weight's at-rest spec, from its roles in `layers.weights` (the axes this
+        layout gives embed, experts and hidden); a weight whole everywhere is P()."""
+        if not any(weight.at_rest):
+            return P()
+        return P(
+            *(None if role is None else spec_entry(getattr(self, role)) for role in weight.at_rest)
+        )
 
     def weight_specs(self) -> dict[str, P]:
-        """At-rest spec per ExpertWeights field: shared experts rest like one expert
-        (embed and hidden split), the router's bias replicated (E floats)."""
-        embed, hidden = spec_entry(self.embed), spec_entry(self.hidden)
-        return {
-            "gate_ME": self.gate_ME,
-            "wi_0_EMH": self.w_EMH,
-            "wi_1_EMH": self.w_EMH,
-            "wo_EHM": self.w_EHM,
-            "bias_E": P(),
-            "shared_wi_0_MS": P(embed, hidden),
-            "shared_wi_1_MS": P(embed, hidden),
-            "shared_wo_SM": P(hidden, embed),
-            "shared_gate_M1": P(embed, None),
-        }
+        """At-rest spec per ExpertWeights field."""
+        return {w.field: self.weight_spec(w) for w in WEIGHTS}
 
     def named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)

@@ -117,3 +117,13 @@ def test_one_expert_applies_the_routing_scale(jax_cpu8):
     )
     x = jax.random.normal(jax.random.key(3), (8, 16, 64))
     np.testing.assert_allclose(scaled(x)[0], 2.5 * plain(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_every_weight_is_described_once():
+    """layers.weights is the one table of the block's weights: one entry per
+    ExpertWeights field, in field order, each a role for every dim."""
+    from layers.ffn import WEIGHT_FIELDS
+    from layers.weights import WEIGHTS
+
+    assert [w.field for w in WEIGHTS] == WEIGHT_FIELDS
+    assert all(len(w.letters) == len(w.at_rest) for w in WEIGHTS)

@@ -142,7 +142,7 @@ def test_block_places_its_parameters_without_a_replica(jax_cpu8):
         value = getattr(weights, name)
         assert value.sharding.spec == want.spec, name
         assert not value.sharding.is_fully_replicated
-    assert specs["wi_0"].get_value() == model.layout.w_EMH
+    assert specs["wi_0"].get_value() == model.layout.weight_specs()["wi_0_EMH"]
     assert np.all(np.isfinite(np.asarray(jax.device_get(model.wo[...]))))
 
 
