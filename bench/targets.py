@@ -130,9 +130,9 @@ def routed_group_sizes(tokens: int, experts: int, top_k: int, seed: int = 0) -> 
 def tiled_rows_run(group_sizes: np.ndarray, tiles: tuple[int, ...]) -> int:
     """Rows tiled_gmm computes for these groups: its own schedule (full tiles, largest
     class first, then one masked tail tile per group that has one)."""
-    from layers.grouped_matmul import _tile_plan
+    from layers.grouped_matmul import tile_plan
 
-    full, (tail, tail_E, _), _ = _tile_plan(np.asarray(group_sizes, np.int32), tiles)
+    full, (tail, tail_E, _), _ = tile_plan(np.asarray(group_sizes, np.int32), tiles)
     return int(
         sum(tile * int(count_E.sum()) for tile, count_E, _ in full) + tail * int(tail_E.sum())
     )

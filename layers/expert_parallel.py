@@ -50,11 +50,11 @@ from selector.problem import exchange_buffer_rows
 
 from .ffn import swiglu
 from .grouped_matmul import (
-    _gmm_tiled,
-    _gmm_tiled_transposed_sum,
-    _tgmm_tiled,
     gmm,
     gmm_multi,
+    tiled_forward,
+    tiled_input_grad,
+    tiled_weight_grad,
 )
 from .vma import reduce_like, varying_like
 
@@ -114,16 +114,16 @@ def _slot_swiglu_pullback(
         return dx_BM, dscale_B, dw
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
-    gate, up = _gmm_tiled(x_BM, (wi_0, wi_1), sizes_L)
+    gate, up = tiled_forward(x_BM, (wi_0, wi_1), sizes_L)
     unscaled, act_pullback = jax.vjp(swiglu, gate, up)
     scale = scale_B[:, None].astype(unscaled.dtype)
-    dwo = _tgmm_tiled(unscaled * scale, dy_BM, sizes_L, into_EKN=dw[2])
-    d_act = _gmm_tiled_transposed_sum((dy_BM,), (wo,), sizes_L)
+    dwo = tiled_weight_grad(unscaled * scale, dy_BM, sizes_L, existing_out=dw[2])
+    d_act = tiled_input_grad((dy_BM,), (wo,), sizes_L)
     dscale_B = jnp.sum(d_act.astype(jnp.float32) * unscaled, axis=1).astype(scale_B.dtype)
     d_gate, d_up = act_pullback(d_act * scale)
-    dx_BM = _gmm_tiled_transposed_sum((d_gate, d_up), (wi_0, wi_1), sizes_L)
-    dwi_0 = _tgmm_tiled(x_BM, d_gate, sizes_L, into_EKN=dw[0])
-    dwi_1 = _tgmm_tiled(x_BM, d_up, sizes_L, into_EKN=dw[1])
+    dx_BM = tiled_input_grad((d_gate, d_up), (wi_0, wi_1), sizes_L)
+    dwi_0 = tiled_weight_grad(x_BM, d_gate, sizes_L, existing_out=dw[0])
+    dwi_1 = tiled_weight_grad(x_BM, d_up, sizes_L, existing_out=dw[1])
     return dx_BM, dscale_B, (dwi_0, dwi_1, dwo)
 
 

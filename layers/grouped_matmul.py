@@ -15,7 +15,11 @@ ours, for CPU and anywhere without a native kernel:
   autodiff cannot do, hence the custom VJP: the input gradient is the same kernel
   against transposed weights (a dot_general, no transposed copy) and the weight
   gradient (tgmm) accumulates x^T dy per expert locally, then writes it once.
-Work is the routed rows plus under one 64-row tile per expert.
+Work is the routed rows plus under one 64-row tile per expert. Its pieces are public,
+as JAX's megablox exposes gmm and tgmm: `tiled_forward` (no VJP: for callers that
+write their own, like the exchange), `tiled_input_grad` and `tiled_weight_grad` (with
+`existing_out` to accumulate into a float32 buffer), and `tile_plan`, the schedule the
+benchmarks count work with.
 
 Legend: R rows, K contraction, N output, E experts, T tile rows.
 """
@@ -43,7 +47,7 @@ def _dot(a, b, transpose_b: bool):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def _tile_plan(group_sizes_E, classes):
+def tile_plan(group_sizes_E, classes):
     """Cut each expert's rows into full tiles, largest class first, then one masked tail.
 
     Returns ([(tile, count_E, first_row_E)] per class, (tile, count_E, first_row_E) of
@@ -83,7 +87,7 @@ def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
     """Run `tile_fn(e, x tiles) -> out tiles` over every expert's row tiles, writing the
     results in place into `outs_RN` (full tiles unmasked, the tail tile masked)."""
     rows = xs_RK[0].shape[0]
-    full, (tail, tail_E, tail_first_E), ends_E = _tile_plan(group_sizes_E, tile_classes(rows))
+    full, (tail, tail_E, tail_first_E), ends_E = tile_plan(group_sizes_E, tile_classes(rows))
 
     for tile, count_E, first_E in full:
         expert, within, total = _flat_schedule(count_E, rows // tile + 1)
@@ -115,7 +119,7 @@ def _row_tiles(xs_RK, group_sizes_E, num_experts: int, tile_fn, outs_RN):
     return lax.fori_loop(0, total, tail_tile, outs_RN)
 
 
-def _gmm_tiled(x_RK, ws_EKN, group_sizes_E):
+def tiled_forward(x_RK, ws_EKN, group_sizes_E):
     """(x @ w[e] for each w in ws), all from one pass over x's row tiles."""
     rows = x_RK.shape[0]
     outs = tuple(
@@ -131,8 +135,8 @@ def _gmm_tiled(x_RK, ws_EKN, group_sizes_E):
     return _row_tiles([x_RK], group_sizes_E, ws_EKN[0].shape[0], tile_fn, outs)
 
 
-def _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E):
-    """sum_i dy_i @ w_i[e]^T: the input gradient of `_gmm_tiled`, one output buffer."""
+def tiled_input_grad(dys_RN, ws_EKN, group_sizes_E):
+    """sum_i dy_i @ w_i[e]^T: the input gradient of `tiled_forward`, one output buffer."""
     rows = dys_RN[0].shape[0]
     dx = varying_like(
         jnp.zeros((rows, ws_EKN[0].shape[1]), dys_RN[0].dtype), *dys_RN, *ws_EKN, group_sizes_E
@@ -155,21 +159,21 @@ def _xt_dy(x_TK, dy_TN):
     )
 
 
-def _tgmm_tiled(x_RK, dy_RN, group_sizes_E, into_EKN=None):
+def tiled_weight_grad(x_RK, dy_RN, group_sizes_E, existing_out=None):
     """dw_EKN[e] = x[rows of e]^T @ dy[rows of e], accumulated per expert in a local carry.
 
-    With `into_EKN` (a float32 accumulator) the result is added to it in place instead:
+    With `existing_out` (a float32 accumulator) the result is added to it in place instead:
     a caller summing many calls holds one float32 buffer, not one more per call."""
     rows, k = x_RK.shape
     n = dy_RN.shape[1]
     num_experts = group_sizes_E.shape[0]
-    add = into_EKN is not None
+    add = existing_out is not None
     if not add:
-        into_EKN = jnp.zeros((num_experts, k, n), x_RK.dtype)
-    dw_EKN = varying_like(into_EKN, x_RK, dy_RN, group_sizes_E)
+        existing_out = jnp.zeros((num_experts, k, n), x_RK.dtype)
+    dw_EKN = varying_like(existing_out, x_RK, dy_RN, group_sizes_E)
     if rows == 0:
         return dw_EKN
-    full, (tail, tail_E, tail_first_E), ends_E = _tile_plan(group_sizes_E, tile_classes(rows))
+    full, (tail, tail_E, tail_first_E), ends_E = tile_plan(group_sizes_E, tile_classes(rows))
 
     def expert_body(e, dw):
         acc_KN = varying_like(jnp.zeros((k, n), jnp.float32), x_RK, dy_RN, group_sizes_E)
@@ -211,7 +215,7 @@ def _tgmm_tiled(x_RK, dy_RN, group_sizes_E, into_EKN=None):
 def tiled_gmm(x_RK, ws_EKN, group_sizes_E):
     """Our grouped matmul of x against each weight in the tuple `ws_EKN` (one pass over
     the rows; see the module docstring); differentiable in x and the weights."""
-    return _gmm_tiled(x_RK, ws_EKN, group_sizes_E)
+    return tiled_forward(x_RK, ws_EKN, group_sizes_E)
 
 
 def _tiled_fwd(x_RK, ws_EKN, group_sizes_E):
@@ -220,9 +224,9 @@ def _tiled_fwd(x_RK, ws_EKN, group_sizes_E):
 
 def _tiled_bwd(res, dys_RN):
     x_RK, ws_EKN, group_sizes_E = res
-    dx_RK = _gmm_tiled_transposed_sum(dys_RN, ws_EKN, group_sizes_E)
+    dx_RK = tiled_input_grad(dys_RN, ws_EKN, group_sizes_E)
     dws = tuple(  # in the weights' dtype, as JAX's megablox returns it
-        reduce_like(_tgmm_tiled(x_RK, dy, group_sizes_E).astype(w.dtype), w)
+        reduce_like(tiled_weight_grad(x_RK, dy, group_sizes_E).astype(w.dtype), w)
         for dy, w in zip(dys_RN, ws_EKN, strict=True)
     )
     return reduce_like(dx_RK, x_RK), dws, None

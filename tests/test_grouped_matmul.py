@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layer_helpers import assert_close
 
-from layers.grouped_matmul import _tgmm_tiled, gmm, gmm_multi, tile_classes
+from layers.grouped_matmul import gmm, gmm_multi, tile_classes, tiled_weight_grad
 
 CASES = {
     "uniform": [250, 250, 250, 250],
@@ -62,7 +62,7 @@ def test_forward_and_gradients_match_reference(case):
 @pytest.mark.parametrize("case", ["uniform", "empty_experts", "every_tile_class"])
 def test_weight_gradient_adds_into_a_float32_accumulator(case):
     """The exchange's backward sums each slot's weight gradient into one float32 buffer
-    through `into_EKN`: the result is that buffer plus x^T dy per expert, experts with
+    through `existing_out`: the result is that buffer plus x^T dy per expert, experts with
     no rows keep what they held."""
     sizes = CASES[case]
     rows = sum(sizes)
@@ -70,7 +70,7 @@ def test_weight_gradient_adds_into_a_float32_accumulator(case):
     dy = jax.random.normal(jax.random.key(2), (rows, 40))
     held = jax.random.normal(jax.random.key(3), (len(sizes), 24, 40))
     gs = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(_tgmm_tiled)(x, dy, gs, held)
+    got = jax.jit(tiled_weight_grad)(x, dy, gs, held)
     _, rdw = reference_grads(x, np.zeros((len(sizes), 24, 40)), sizes, dy)
     assert got.dtype == jnp.float32
     assert_close(got, np.asarray(held, np.float64) + rdw, what="dw accumulated")
