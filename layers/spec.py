@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from selector.config import CapacityRounding
-from selector.derive import capacity
 from selector.problem import shared_width
 
 from .expert_parallel import ExchangeGroup
@@ -32,8 +31,12 @@ class MoESpec:
     topk_routing_group: int = -1
     shared_experts: int = 0  # how many; their width: selector.problem.shared_width
     shared_expert_gate: bool = False
-    capacity_rounding: str = "ours"
+    capacity_rounding: CapacityRounding = CapacityRounding.ours
     platform: str = "cpu"  # of the mesh's devices: the grouped matmul's kernel follows it
+    # The plan's per-subgroup capacity (None when dropless) and the subgroup length it
+    # was computed for: the capacity path uses the plan's number, never a second formula.
+    capacity_per_subgroup: int | None = None
+    subgroup_len: float = 0.0
 
     @classmethod
     def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
@@ -66,8 +69,10 @@ class MoESpec:
             cfg.topk_routing_group,
             cfg.shared_experts,
             cfg.shared_expert_gate,
-            cfg.capacity_rounding.value,
+            cfg.capacity_rounding,
             layout.platform,
+            plan.per_device.capacity_per_subgroup,
+            plan.per_device.sub_seq,
         )
 
     @property
@@ -79,9 +84,14 @@ class MoESpec:
         return jnp.dtype(self.dtype)
 
     def capacity(self, sub_seq: int) -> int:
-        """Per-subgroup capacity, the selector's formula on the actual local length."""
-        rounding = CapacityRounding(self.capacity_rounding)
-        cap = capacity(sub_seq, self.top_k, self.num_experts, self.capacity_factor, rounding)
-        if cap is None:
+        """The plan's per-subgroup capacity, for a subgroup of `sub_seq` tokens: the
+        length the plan was resolved for, or an error."""
+        if self.capacity_per_subgroup is None:
             raise ValueError("subgroup_capacity needs capacity_factor > 0")
-        return cap
+        if sub_seq != self.subgroup_len:
+            raise ValueError(
+                f"a subgroup of {sub_seq} tokens; the plan's capacity "
+                f"({self.capacity_per_subgroup}) is for {self.subgroup_len:g}: resolve the "
+                "plan for this input"
+            )
+        return self.capacity_per_subgroup
