@@ -35,7 +35,6 @@ import math
 from dataclasses import asdict, dataclass
 
 from .config import Config, Dispatch, Exchange
-from .derive import PerDevice
 from .memory_model import (
     CALIBRATION_FILE,
     MEMORY_CALIBRATION,
@@ -46,9 +45,10 @@ from .memory_model import (
     temp_from_parts,
 )
 from .mesh import MeshView
+from .per_device import PerDevice
 from .placement import WeightPlacement
 from .problem import (
-    Shape,
+    DeviceProblem,
     buffer_rows,
     compute_weight_elements,
     exchange_split,
@@ -131,7 +131,7 @@ class Estimate:
         return d
 
 
-def expected_rounds(p: Shape, num_devices: int) -> int:
+def expected_rounds(p: DeviceProblem, num_devices: int) -> int:
     """Exchange rounds under uniform routing: the most rows any device sends any owner
     (mean T k / G, binomial spread, the largest of every device-owner pair) over B."""
     if p.group <= 1:
@@ -142,7 +142,7 @@ def expected_rounds(p: Shape, num_devices: int) -> int:
     return max(1, math.ceil((mean + z * sigma) / buffer_rows(p) - 1e-9))
 
 
-def forward_flops(strategy: Dispatch, p: Shape) -> float:
+def forward_flops(strategy: Dispatch, p: DeviceProblem) -> float:
     ffn = 6 * rows(strategy, p) * p.M * p.H  # three matmuls of 2*M*H each
     router = 0 if strategy is Dispatch.mlp else 2 * p.T * p.M * p.E
     # Dispatch and combine einsums over the (S, E, C) mask.
@@ -151,7 +151,7 @@ def forward_flops(strategy: Dispatch, p: Shape) -> float:
     return ffn + router + einsums + shared
 
 
-def weight_rest_bytes(p: Shape, hidden_shards: int) -> float:
+def weight_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
     """Expert weights (routed and shared) and router kernel one device holds at rest
     (param_dtype); the shared experts rest split over the embed and hidden axes."""
     experts = 3 * p.E * p.M * p.H * hidden_shards * p.pb / p.rest_shards
@@ -159,14 +159,14 @@ def weight_rest_bytes(p: Shape, hidden_shards: int) -> float:
     return experts + shared + p.M * p.E * p.pb / p.gate_shards
 
 
-def block_memory(p: Shape, weights_rest: float, temp: float) -> Memory:
+def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
     """The block's program by XLA's categories, around its (fitted) temporaries."""
     x = p.T * p.M * p.xb
     outputs = weights_rest + x if p.train else x
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)
 
 
-def weights_read(strategy: Dispatch, p: Shape) -> float:
+def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
     """Expert-weight bytes one step reads from HBM: every expert for dense; for the
     routed paths only the experts that receive a row (expected, uniform routing)."""
     per_expert = 3 * p.M * p.H * p.xb
@@ -182,7 +182,12 @@ def weights_read(strategy: Dispatch, p: Shape) -> float:
 
 
 def traffic(
-    strategy: Dispatch, exchange: Exchange, p: Shape, memory: Memory, rounds: int, activations
+    strategy: Dispatch,
+    exchange: Exchange,
+    p: DeviceProblem,
+    memory: Memory,
+    rounds: int,
+    activations,
 ):
     """Bytes a device moves per step, each collective's split between the links it
     crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`).
@@ -209,7 +214,7 @@ def traffic(
     return Traffic(hbm, sum(gather), sum(moved), sum(grad), sum(tensor), dcn)
 
 
-def state_bytes(cfg: Config, p: Shape, weights_rest: float) -> float:
+def state_bytes(cfg: Config, p: DeviceProblem, weights_rest: float) -> float:
     """Weights, gradients and optimizer state of every MoE layer, at rest, per device."""
     per_layer = weights_rest
     if p.train:
@@ -270,7 +275,7 @@ __all__ = [
     "PARTS",
     "Estimate",
     "Memory",
-    "Shape",
+    "DeviceProblem",
     "Traffic",
     "calibration_key",
     "estimate",

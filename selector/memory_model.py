@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
-from .problem import Shape, buffer_rows, compute_weight_elements, rows
+from .problem import DeviceProblem, buffer_rows, compute_weight_elements, rows
 
 # Temp bytes = sum over parts of coefficient x hand count, per calibration key: the
 # compiler family, the mode and the dispatch and exchange (`tpu train megablox`). Each
@@ -60,7 +60,7 @@ def calibration_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:
     return f"{calibration_family(cfg)} {cfg.mode.value} {base}"
 
 
-def memory_parts(strategy: Dispatch, exchange: Exchange, p: Shape) -> dict[str, float]:
+def memory_parts(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> dict[str, float]:
     """Hand counts of the temporaries, in bytes, one per way a buffer scales (see PARTS)."""
     n = rows(strategy, p)
     if strategy is Dispatch.megablox:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from . import rules, targets
 from .config import Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
-from .derive import PerDevice, per_device
 from .findings import Finding, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
+from .per_device import PerDevice, per_device
 from .placement import WeightPlacement, describe
 from .policy import candidates_for, choose, exchange_backend, exchange_candidates, gmm_backend
 

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Mode
-from .derive import PerDevice
 from .mesh import MeshView
+from .per_device import PerDevice
 from .placement import WeightPlacement
 
 ROUND_ALIGN = 8  # exchange buffers hold a multiple of 8 rows per owner (as the layers)
@@ -46,7 +46,7 @@ def gmm_dense_over_groups(cfg: Config) -> bool:
 
 
 @dataclass(frozen=True)
-class Shape:
+class DeviceProblem:
     """The per-device problem in the letters the kernels use."""
 
     T: float  # tokens per device
@@ -82,7 +82,9 @@ class Shape:
     hidden_dcn: int = 1
 
 
-def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement) -> Shape:
+def problem_shape(
+    cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement
+) -> DeviceProblem:
     cap = dev.capacity_per_subgroup
     if cap is None:  # a dropless run priced on the capacity path: the factor-1 capacity
         cap = max(1, math.ceil(dev.expected_tokens_per_expert))
@@ -95,7 +97,7 @@ def problem_shape(cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlac
     gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
     gathered = mesh.product(gathered_axes)
     replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
-    return Shape(
+    return DeviceProblem(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
         S=dev.sub_seq,
@@ -159,12 +161,12 @@ def exchange_buffer_rows(rows: float, group: int, buffer_factor: float) -> int:
     return max(ROUND_ALIGN, ROUND_ALIGN * math.ceil(share / ROUND_ALIGN - 1e-9))
 
 
-def buffer_rows(p: Shape) -> float:
+def buffer_rows(p: DeviceProblem) -> float:
     """B for the per-device problem (routed rows T x k over the expert group)."""
     return exchange_buffer_rows(p.T * p.k, p.group, p.buffer_factor)
 
 
-def rows(strategy: Dispatch, p: Shape) -> float:
+def rows(strategy: Dispatch, p: DeviceProblem) -> float:
     """Rows each expert FFN processes per device, summed over experts."""
     if strategy is Dispatch.mlp:
         return p.T
@@ -178,7 +180,7 @@ def rows(strategy: Dispatch, p: Shape) -> float:
     return p.G * p.E * p.C  # subgroup_capacity
 
 
-def compute_weight_elements(strategy: Dispatch, p: Shape) -> float:
+def compute_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
     """Elements of the expert weights a device computes with (its hidden slice),
     shared experts included."""
     experts = 1 if strategy is Dispatch.mlp else p.E_c

@@ -6,8 +6,8 @@ import json
 import textwrap
 
 from .config import Config
-from .derive import is_whole
 from .findings import Finding, errors_in
+from .per_device import is_whole
 from .plan import DispatchPlan
 
 

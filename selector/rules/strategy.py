@@ -6,7 +6,7 @@ import math
 
 from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
 from ..cost import Estimate
-from ..derive import PerDevice, capacity
+from ..per_device import PerDevice, capacity
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
 from ..placement import expert_group
