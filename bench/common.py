@@ -212,6 +212,16 @@ def log_x_axis(ax, ticks) -> None:
     ax.minorticks_off()
 
 
+def log_y_axis(ax) -> None:
+    """A log-scale y axis labelled at 1, 2 and 5 of every decade, in plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
 def load(study: str) -> dict:
     """The JSON a study last wrote (for --replot)."""
     return json.loads((RESULTS / f"{study}.json").read_text())

@@ -41,6 +41,7 @@ from bench.common import (  # noqa: E402
     StoredRows,
     load,
     log_x_axis,
+    log_y_axis,
     prediction_errors,
     pyplot,
     save,
@@ -158,42 +159,53 @@ def row(model: str, split: str, point: Point, m: dict) -> dict:
 
 
 def plot(payload: dict):
+    """One panel per (sequence length, model): every length the JSON holds, so the plot
+    shows what each of the README's tables shows."""
     rows = payload["rows"]
     plt = pyplot()
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        seq = max(r["seq"] for r in rows if r["model"] == model)
-        for split in sorted({r["split"] for r in rows}):
-            for exchange, style in (("gather", "o-"), ("all_to_all", "s--")):
-                pts = [
-                    r
-                    for r in rows
-                    if (r["model"], r["split"], r["seq"], r["exchange"])
-                    == (model, split, seq, exchange)
-                ]
-                if not pts:
-                    continue
-                line = ax.plot(
-                    [r["cp"] for r in pts],
-                    [r["total_mib"] / 1024 for r in pts],
-                    style,
-                    label=f"{split}, {exchange}",
-                )
-                ax.plot(
-                    [r["cp"] for r in pts],
-                    [(r["predicted"]["arguments"] + r["predicted"]["temp"]) / 2**30 for r in pts],
-                    "x:",
-                    color=line[0].get_color(),
-                )
-        ax.set(
-            yscale="log",
-            xlabel="context parallelism cp (devices = the split's x cp)",
-            ylabel="arguments + temp GiB per device",
-            title=f"{model}, seq {seq}, bf16 (x: selector)\n{payload.get('compiler', COMPILERS['cpu'])}",
-        )
-        log_x_axis(ax, CPS)
-        ax.legend(fontsize=7)
+    seqs = sorted({r["seq"] for r in rows})
+    fig, axes = plt.subplots(
+        len(seqs), len(models), figsize=(6.5 * len(models), 4.4 * len(seqs)), squeeze=False
+    )
+    compiler = payload.get("compiler", COMPILERS["cpu"])
+    for row_axes, seq in zip(axes, seqs, strict=True):
+        for ax, model in zip(row_axes, models, strict=True):
+            for split in sorted({r["split"] for r in rows}):
+                for exchange, style in (("gather", "o-"), ("all_to_all", "s--")):
+                    pts = [
+                        r
+                        for r in rows
+                        if (r["model"], r["split"], r["seq"], r["exchange"])
+                        == (model, split, seq, exchange)
+                    ]
+                    if not pts:
+                        continue
+                    line = ax.plot(
+                        [r["cp"] for r in pts],
+                        [r["total_mib"] / 1024 for r in pts],
+                        style,
+                        label=f"{split}, {exchange}",
+                    )
+                    ax.plot(
+                        [r["cp"] for r in pts],
+                        [
+                            (r["predicted"]["arguments"] + r["predicted"]["temp"]) / 2**30
+                            for r in pts
+                        ],
+                        "x:",
+                        color=line[0].get_color(),
+                    )
+            ax.plot([], [], "kx:", label="selector's prediction (same colour)")
+            ax.set(
+                xlabel="context parallelism cp (devices = the split's x cp)",
+                ylabel="arguments + temp GiB per device",
+                title=f"{model}, sequence {seq}, bf16, fwd+bwd\n{compiler}",
+            )
+            log_y_axis(ax)
+            log_x_axis(ax, CPS)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
     return fig
 
 

@@ -86,46 +86,45 @@ def skip_reason(strategy: str, experts: int, seq: int) -> str | None:
 def plot(payload: dict):
     rows = payload["rows"]
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(12, 4.2))
     top = max(r["vs_mlp"] for r in rows if "vs_mlp" in r) * 1.15
-    for strategy, marker in (("megablox", "o"), ("subgroup_capacity", "s"), ("dense", "^")):
+    markers = {"megablox": "o", "subgroup_capacity": "s", "dense": "^"}
+    for strategy, marker in markers.items():
         for seq, style in ((1024, "-"), (8192, "--")):
-            pts = [r for r in rows if r["strategy"] == strategy and r["seq"] == seq]
-            run = [r for r in pts if "vs_mlp" in r]
-            line = None
+            run = [
+                r for r in rows if (r["strategy"], r["seq"]) == (strategy, seq) and "vs_mlp" in r
+            ]
             if run:
-                line = ax.plot(
+                ax.plot(
                     [r["experts"] for r in run],
                     [r["vs_mlp"] for r in run],
                     marker + style,
                     label=f"{strategy}, seq {seq}",
                 )
-            skipped = [r for r in pts if "vs_mlp" not in r]
-            if skipped:  # drawn at the top, hollow: not run (too slow here)
-                ax.scatter(
-                    [r["experts"] for r in skipped],
-                    [top] * len(skipped),
-                    marker=marker,
-                    facecolors="none",
-                    edgecolors=line[0].get_color() if line else "gray",
-                )
+        skipped = [r for r in rows if r["strategy"] == strategy and "vs_mlp" not in r]
+        if skipped:  # drawn hollow at the top, with the table's reason in the legend
+            reasons = list(dict.fromkeys(r["note"].removeprefix("skipped: ") for r in skipped))
+            seqs = sorted({r["seq"] for r in skipped})
+            ax.scatter(
+                [r["experts"] for r in skipped],
+                [top] * len(skipped),
+                marker=marker,
+                facecolors="none",
+                edgecolors="gray",
+                label=f"{strategy} not run (seq {', '.join(map(str, seqs))}): "
+                + "; ".join(reasons),
+            )
     ax.axhline(1.0, color="gray", lw=0.8, label="dense MLP of the same rows (baseline)")
-    ax.scatter(
-        [],
-        [],
-        marker="o",
-        facecolors="none",
-        edgecolors="gray",
-        label="hollow, at the top: skipped (too slow here)",
-    )
     ax.set(
         xlabel="experts E",
         ylabel="fwd+bwd time / dense MLP (same rows)",
-        title=f"{TOKENS} tokens, emb {EMB}, hidden {HIDDEN}, k={TOP_K}, one CPU device",
+        title=f"{TOKENS} tokens, emb {EMB}, hidden {HIDDEN}, k={TOP_K}, one CPU device "
+        "(medians, interleaved)",
         ylim=(0, top * 1.08),
     )
     log_x_axis(ax, sorted({r["experts"] for r in rows}))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
     return fig
 
 
