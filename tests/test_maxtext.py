@@ -348,3 +348,37 @@ def test_the_reason_says_where_the_dispatch_came_from(base):
     )
     mine = selector.from_maxtext(base, ["num_devices=8", "sparse_matmul=false"])
     assert "sparse_matmul=false (from your override)" in mine.dispatch_source
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "moe_dispatch_no_expert_sharding=true",
+        "shard_exp_on_fsdp=true",
+        "shard_embed_moe_on_fsdp=true",
+        "use_ring_of_experts=true",
+        "context_sharding=expert",
+    ],
+)
+def test_maxtext_sharding_switches_not_modelled_are_named(base, setting):
+    """A MaxText 0.2.5 key that changes which axes shard the MoE block, set away from
+    base.yml's value, is a warning naming it; at base.yml's value it says nothing."""
+    from selector.maxtext.facts import SHARDING_KEYS_NOT_MODELLED
+
+    key = setting.split("=")[0]
+    assert key in SHARDING_KEYS_NOT_MODELLED
+    common = ["model_name=qwen3-30b-a3b", "num_devices=8"]
+    plain = selector.from_maxtext(base, common)
+    assert "MAXTEXT_SHARDING_NOT_MODELLED" not in codes(plain.findings)
+    switched = selector.from_maxtext(base, [*common, setting])
+    (f,) = [f for f in switched.findings if f.code == "MAXTEXT_SHARDING_NOT_MODELLED"]
+    assert f.setting == key and key in f.message and "base.yml" in f.message
+
+
+def test_expert_shard_attention_option_is_explained(base, capsys):
+    """MaxText 0.2.5's config has no expert_shard_attention_option (only its deprecated
+    pyconfig reads it): exit 2 with where that layout lives now."""
+    args = [f"maxtext_config={base}", "model_name=qwen3-30b-a3b", "num_devices=8"]
+    assert main([*args, "expert_shard_attention_option=context"]) == 2
+    err = capsys.readouterr().err
+    assert "custom_mesh_and_rule=ep-as-cp" in err and "Traceback" not in err

@@ -23,19 +23,60 @@ MOE_KEYS_NOT_MAPPED = (
     "mlp_activations_limit",
     "mlp_bias",
     "moe_expert_input_dim",
-    "moe_fsdp_use_two_stage_all_gather",
     "moe_use_megatron_seq_aux_loss",
     "num_moe_token_chunks",
     "prefuse_moe_weights",
     "ragged_buffer_factor",
     "remat_policy",
     "routed_bias_update_rate",
-    "shard_embed_moe_on_fsdp",
-    "shard_exp_on_fsdp",
     "use_batch_split_schedule",
     "use_random_routing",
-    "use_ring_of_experts",
 )
+# MaxText 0.2.5 settings that change which mesh axes shard the MoE block's tokens or
+# weights, and that this check does not model (what each does: its configs/types.py).
+# A value other than base.yml's is a warning naming it.
+SHARDING_KEYS_NOT_MODELLED = {
+    "moe_dispatch_no_expert_sharding": "shards the MoE dispatch and MLP batch dim without 'expert'",
+    "shard_exp_on_fsdp": "splits the experts' expert dim over the fsdp axis",
+    "shard_embed_moe_on_fsdp": "keeps the MoE weights' embed dim split over fsdp for a "
+    "manual all-gather",
+    "use_2d_fsdp_sharding": "splits the MoE weights over fsdp in two dims",
+    "moe_fsdp_use_two_stage_all_gather": "gathers the MoE weights over fsdp and "
+    "fsdp_transpose in two all-gathers",
+    "use_ring_of_experts": "runs Ring of Experts for the grouped matmul's expert parallelism",
+    "context_sharding": "names the mesh axis that does context parallelism",
+}
+# Keys MaxText 0.2.5's config no longer has (it refuses unknown keys), with where their
+# effect lives now.
+RETIRED_KEYS = {
+    "expert_shard_attention_option": (
+        "MaxText 0.2.5's config has no expert_shard_attention_option (it refuses unknown "
+        "keys; only its deprecated pyconfig still reads it, where 'context' counted the "
+        "expert devices as context parallelism in attention). In 0.2.5 that layout is "
+        "custom_mesh_and_rule=ep-as-cp (the expert axis acts as context parallelism outside "
+        "the MoE block's all-to-all); custom_mesh_and_rule=cp-as-ep folds the context devices "
+        "into the expert axis instead."
+    ),
+}
+
+
+def sharding_not_modelled(raw: dict, base: dict) -> list[Finding]:
+    """A warning for each MaxText sharding switch set away from base.yml's default."""
+    found = []
+    for key, what in SHARDING_KEYS_NOT_MODELLED.items():
+        if key in raw and key in base and raw[key] != base[key]:
+            found.append(
+                warning(
+                    "MAXTEXT_SHARDING_NOT_MODELLED",
+                    key,
+                    f"{key}={raw[key]} (base.yml: {base[key]}) {what} in MaxText; this check "
+                    "does not model it: its placements, memory and traffic assume base.yml's "
+                    "value.",
+                )
+            )
+    return found
+
+
 # Mesh axes of MaxText's training mesh that the check does not model.
 UNMODELLED_AXES = (
     "diloco",

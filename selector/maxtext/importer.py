@@ -40,7 +40,14 @@ from ..config import (
 from ..findings import Finding, Fix, fix, render_value, warning
 from ..mesh import build_mesh_view
 from .axis_rules import axis_rules
-from .facts import facts, ignored_that_matter, megablox_note, mode_of
+from .facts import (
+    RETIRED_KEYS,
+    facts,
+    ignored_that_matter,
+    megablox_note,
+    mode_of,
+    sharding_not_modelled,
+)
 from .files import (
     MaxTextError,
     coerce,
@@ -241,6 +248,8 @@ def _num_slices(raw: dict, notes: list[str]) -> int:
 
 
 def _unknown_override(key: str, allowed: set[str]) -> MaxTextError:
+    if key in RETIRED_KEYS:
+        return MaxTextError(f"Unknown setting {key!r}: {RETIRED_KEYS[key]}")
     hint = did_you_mean(key, sorted(allowed))
     return MaxTextError(
         f"Unknown setting {key!r}: it is in neither the MaxText config chain nor this "
@@ -335,6 +344,7 @@ def from_maxtext(
         cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
+    found += sharding_not_modelled(raw, base)
     note = megablox_note(mesh, sparse)
     if note:
         notes.append(note)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 from ..config import Config, Mode
-from ..per_device import PerDevice, is_whole
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
+from ..per_device import PerDevice, is_whole
 from .moves import largest_divisor_at_most, move
 
 

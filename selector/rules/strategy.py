@@ -6,9 +6,9 @@ import math
 
 from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
 from ..cost import Estimate
-from ..per_device import PerDevice, capacity
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
+from ..per_device import PerDevice, capacity
 from ..placement import expert_group
 from .layout import fmt, shown_axes
 
