@@ -266,7 +266,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     plan, findings, compiled = analysed(imported.config)
     findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])
     if plan is not None:
-        reason = imported.explain_reason(plan.reason)
+        reason = imported.explain_reason(plan.reason, plan)
         plan = dataclasses.replace(plan, findings=tuple(findings), reason=reason)
     return report(
         imported.config,

@@ -382,3 +382,35 @@ def test_expert_shard_attention_option_is_explained(base, capsys):
     assert main([*args, "expert_shard_attention_option=context"]) == 2
     err = capsys.readouterr().err
     assert "custom_mesh_and_rule=ep-as-cp" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra,spelled",
+    [
+        ([], "has no setting known to give it"),
+        (["ici_expert_parallelism=2", "ici_fsdp_parallelism=1"], "ici_expert_parallelism=2"),
+        (["expert_exchange=gather"], "ici_expert_parallelism=1"),
+    ],
+)
+def test_a_recommended_placement_names_the_maxtext_settings(base, extra, spelled):
+    """On the route, the plan's expert placement is spelled in MaxText's settings, or
+    the report says MaxText has none. An exchange over the context devices has none:
+    cp-as-ep, the switch that rests the experts over context, leaves the MoE tokens
+    unsplit over context, which the route reports as an error."""
+    over = [
+        "model_name=qwen3-30b-a3b",
+        "num_devices=8",
+        "ici_context_parallelism=4",
+        "ici_fsdp_parallelism=2",
+        "per_device_batch_size=0.25",
+        *extra,
+    ]
+    imported = selector.from_maxtext(base, over)
+    plan, _ = selector.api.analyse_any(imported.config)
+    reason = imported.explain_reason(plan.reason, plan)
+    assert spelled in reason.replace("\n", " ")
+    if not extra:
+        assert plan.placement.group_axes == ("context",)
+        folded = selector.from_maxtext(base, [*over, "custom_mesh_and_rule=cp-as-ep"])
+        _, found = selector.api.analyse_any(folded.config)
+        assert "AXIS_RULE_WEIGHTS_OFF_TOKENS" in codes(found)

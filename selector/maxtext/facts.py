@@ -8,7 +8,7 @@ They read the resolved mesh (a -1 fill counts).
 
 from __future__ import annotations
 
-from ..config import Config, Mode
+from ..config import Config, Exchange, Mode
 from ..findings import Finding, fix, warning
 from ..mesh import MeshView
 
@@ -58,6 +58,34 @@ RETIRED_KEYS = {
         "into the expert axis instead."
     ),
 }
+
+
+def placement_in_maxtext(placement, mesh: MeshView) -> str:
+    """The MaxText 0.2.5 settings that give a plan's expert placement, or that none does
+    (read in its configs: base.yml's rules and custom_mesh_and_rule/cp-as-ep.yml; the
+    exchange over the expert axis in its layers/moe.py; not run here)."""
+    if placement.exchange is not Exchange.all_to_all:
+        return (
+            "in MaxText: its default with ici_expert_parallelism=1 (the expert weights "
+            "rest split over fsdp and are all-gathered)"
+        )
+    group = tuple(placement.group_axes)
+    size = mesh.product(group)
+    if group == ("expert",):
+        return (
+            f"in MaxText: ici_expert_parallelism={size} (its grouped matmul exchanges rows "
+            "over the expert axis by ragged all-to-all)"
+        )
+    if "context" in group:
+        return (
+            f"MaxText 0.2.5 has no setting known to give it (an expert group over "
+            f"{' x '.join(group)} while those devices split the sequence): its "
+            "custom_mesh_and_rule=cp-as-ep rests the experts over context and expert but names "
+            "no MoE sequence rule (activation_length_moe), so its MoE tokens are not split "
+            "over context as this route reads it (AXIS_RULE_WEIGHTS_OFF_TOKENS); "
+            "ici_expert_parallelism=N exchanges over an expert axis instead"
+        )
+    return f"MaxText 0.2.5 has no setting for an expert group over {' x '.join(group)}"
 
 
 def sharding_not_modelled(raw: dict, base: dict) -> list[Finding]:

@@ -46,6 +46,7 @@ from .facts import (
     ignored_that_matter,
     megablox_note,
     mode_of,
+    placement_in_maxtext,
     sharding_not_modelled,
 )
 from .files import (
@@ -140,15 +141,18 @@ class MaxTextImport:
     relevant_ignored: list[str] = field(default_factory=list)
     dispatch_source: str = ""  # the MaxText setting that decides the dispatch, and where
 
-    def explain_reason(self, reason: str) -> str:
-        """The plan's reason with the dispatch's true origin: a dispatch read from
-        MaxText's sparse_matmul in base.yml was not 'requested explicitly'."""
+    def explain_reason(self, reason: str, plan=None) -> str:
+        """The plan's reason with the dispatch's true origin (a dispatch read from
+        MaxText's sparse_matmul in base.yml was not 'requested explicitly') and, given
+        the plan of a grouped matmul, the MaxText settings of its expert placement."""
         prefix = "requested explicitly with dispatch="
-        if not reason.startswith(prefix) or not self.dispatch_source:
-            return reason
-        rest = reason[len(prefix) :].split(";", 1)
-        tail = f";{rest[1]}" if len(rest) > 1 else ""
-        return f"MaxText runs {rest[0]}: {self.dispatch_source}{tail}"
+        if reason.startswith(prefix) and self.dispatch_source:
+            rest = reason[len(prefix) :].split(";", 1)
+            tail = f";{rest[1]}" if len(rest) > 1 else ""
+            reason = f"MaxText runs {rest[0]}: {self.dispatch_source}{tail}"
+        if plan is not None and plan.strategy is Dispatch.megablox:
+            reason += f"; expert placement {placement_in_maxtext(plan.placement, plan.mesh)}"
+        return reason
 
     def as_dict(self) -> dict:
         return {
