@@ -156,6 +156,20 @@ def test_load_balance_loss_facts(base):
     assert "MAXTEXT_LOAD_BALANCE_LOSS_LOCAL" in codes(ragged.findings)
     dense = selector.from_maxtext(base, [*common, "sparse_matmul=false"])
     assert "MAXTEXT_LOAD_BALANCE_LOSS_PER_SEQUENCE" in codes(dense.findings)
+    assert "MAXTEXT_LOAD_BALANCE_LOSS_SIGMOID" not in codes(dense.findings)  # softmax
+
+
+def test_sigmoid_routing_load_balance_loss_fact(base):
+    """DeepSeek-V3's sigmoid routing: the fact gives both MaxText definitions and ours."""
+    over = ["model_name=deepseek3-671b", "num_devices=256", "load_balance_loss_weight=0.01"]
+    imported = selector.from_maxtext(base, over)
+    assert imported.config.routed_score_func is ScoreFunc.sigmoid
+    (f,) = [f for f in imported.findings if f.code == "MAXTEXT_LOAD_BALANCE_LOSS_SIGMOID"]
+    assert "1.004384" in f.message and "1.026532" in f.message and "1.002419" in f.message
+    assert "Megatron" not in f.message
+    megatron = selector.from_maxtext(base, [*over, "moe_use_megatron_seq_aux_loss=true"])
+    (f,) = [f for f in megatron.findings if f.code == "MAXTEXT_LOAD_BALANCE_LOSS_SIGMOID"]
+    assert "Megatron" in f.message
 
 
 def test_a_weight_axis_given_twice_is_a_finding(tmp_path, base):

@@ -8,7 +8,7 @@ They read the resolved mesh (a -1 fill counts).
 
 from __future__ import annotations
 
-from ..config import Config, Exchange, Mode
+from ..config import Config, Exchange, Mode, ScoreFunc
 from ..findings import Finding, fix, warning
 from ..mesh import MeshView
 
@@ -200,6 +200,28 @@ def facts(raw: dict, cfg: Config, mesh: MeshView | None, sparse: bool, megablox:
                 f"load_balance_loss_weight={lb_weight:g} on MaxText's dense path: the loss it "
                 "returns is the mean of per-sequence losses (measured 1.010766 where the "
                 "global form gives 1.009689); layers.MoEBlock returns the global form.",
+            )
+        )
+    if lb_weight > 0 and cfg.routed_score_func is ScoreFunc.sigmoid:
+        megatron = str(raw.get("moe_use_megatron_seq_aux_loss", "")).lower() == "true"
+        found.append(
+            warning(
+                "MAXTEXT_LOAD_BALANCE_LOSS_SIGMOID",
+                "load_balance_loss_weight",
+                f"load_balance_loss_weight={lb_weight:g} with sigmoid routing: MaxText's two "
+                "paths take the loss's router probabilities differently (read in its "
+                "layers/moe.py): the grouped matmul the softmax of the pre-bias sigmoid "
+                "scores, the dense path the softmax of the gate logits with the bias added"
+                + (
+                    ", except that moe_use_megatron_seq_aux_loss=true gives Megatron-LM's "
+                    "per-sequence loss on the per-token normalised scores"
+                    if megatron
+                    else ""
+                )
+                + ". On the same tokens and weights (DeepSeek-V3 routing, measured by an "
+                "outside tester, not re-run here) they report 1.004384 (ragged) and 1.026532 "
+                "(dense); layers.MoEBlock reports 1.002419: its probabilities are the sigmoid "
+                "scores normalised per token to sum 1, over the global batch.",
             )
         )
     for axis in UNMODELLED_AXES:
