@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 from helpers import codes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import selector
+import selector.maxtext.files
 from selector import ScoreFunc
 from selector.cli import main
 
@@ -428,3 +431,57 @@ def test_a_recommended_placement_names_the_maxtext_settings(base, extra, spelled
         folded = selector.from_maxtext(base, [*over, "custom_mesh_and_rule=cp-as-ep"])
         _, found = selector.api.analyse_any(folded.config)
         assert "AXIS_RULE_WEIGHTS_OFF_TOKENS" in codes(found)
+
+
+def _route_json(args: list[str], capsys) -> tuple[int, dict]:
+    status = main([*args, "output=json"])
+    out = capsys.readouterr().out
+    return status, (json.loads(out) if status != 2 else {})
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_route_fixes_pass_the_route_property(maxtext_dir, base, capsys, data):
+    """Over MaxText's shipped MoE model files and plausible overrides: every finding on
+    the route names a MaxText key (or this check's own), and every fix it offers, applied
+    as one more override on the same route, is accepted (exit 0 or 1) and clears that
+    finding."""
+    from selector.maxtext.importer import OWN_KEYS
+
+    name = data.draw(st.sampled_from(moe_models(maxtext_dir)), label="model")
+    devices = data.draw(st.sampled_from([8, 64, 256]), label="num_devices")
+    over = [f"model_name={name}", f"num_devices={devices}"]
+    over += data.draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "ici_context_parallelism=4",
+                    "per_device_batch_size=4",
+                    "weight_dtype=bfloat16",
+                    "max_target_length=32768",
+                    "capacity_factor=1.0",
+                    "sparse_matmul=false",
+                    "ici_expert_parallelism=8",
+                ]
+            ),
+            unique=True,
+            max_size=3,
+        ),
+        label="overrides",
+    )
+    args = [f"maxtext_config={base}", *over]
+    status, report = _route_json(args, capsys)
+    if status == 2:
+        return  # a MaxText error (say, an axis product that is not num_devices): no fixes
+    raw, _, _ = selector.maxtext.files.load_chain(Path(base))
+    for finding in report["findings"]:
+        setting = finding["setting"].split(".")[0]
+        assert setting in raw or setting in OWN_KEYS or setting.startswith("ici_"), finding
+        for fix_text in finding["fixes"]:
+            keys = [part.split("=")[0] for part in fix_text.split()]
+            assert all(k in raw or k in OWN_KEYS for k in keys), fix_text
+            fixed_status, fixed = _route_json([*args, *fix_text.split()], capsys)
+            assert fixed_status in (0, 1), (over, fix_text)
+            assert finding["code"] not in {f["code"] for f in fixed["findings"]}, (over, fix_text)

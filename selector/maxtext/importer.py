@@ -17,6 +17,7 @@ MaxText's `num_slices: -1` (detect) is taken as one slice unless the dcn knobs s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing
 from collections.abc import Sequence
@@ -380,6 +381,24 @@ __all__ = ["MaxTextError", "MaxTextImport", "fix", "from_maxtext", "parse_overri
 
 # Our setting -> MaxText's key, for fixes offered on the MaxText route.
 MAXTEXT_SPELLING = {ours: theirs for theirs, ours in DIRECT_KEYS.items()}
+# Our axis roles -> the logical name of MaxText's rule that gives them (RoutedMoE's
+# names; see axis_rules.py).
+MAXTEXT_RULE_NAMES = {
+    "batch": "activation_batch_moe",
+    "sequence": "activation_length_moe",
+    "experts": "exp",
+    "embed": "embed_moe",
+    "hidden": "mlp_moe",
+}
+
+
+def maxtext_setting(setting: str) -> str:
+    """The knob a finding names, in MaxText's spelling (`weight_dtype`;
+    `logical_axis_rules.embed_moe` for our `axis_rules.embed`)."""
+    if setting.startswith("axis_rules."):
+        role = setting.split(".", 1)[1]
+        return f"logical_axis_rules.{MAXTEXT_RULE_NAMES.get(role, role)}"
+    return MAXTEXT_SPELLING.get(setting, setting)
 
 
 def spelled_for_maxtext(fix_: Fix) -> Fix | None:
@@ -407,6 +426,8 @@ def route_fixes(
     before = {f.code for f in findings if f.severity.value == "error"}
     out = []
     for finding in findings:
+        # The knob it names, in MaxText's spelling too.
+        finding = dataclasses.replace(finding, setting=maxtext_setting(finding.setting))
         if not finding.fixes:
             out.append(finding)
             continue
