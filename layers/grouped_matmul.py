@@ -247,8 +247,25 @@ def gmm_multi(x_RK, ws_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platfo
 def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None):
     """Grouped matmul with the named backend (see the module docstring).
 
-    platform: the platform of the mesh the program is compiled for (`pallas_megablox`
-    runs natively on "tpu", in Pallas interpret mode elsewhere); default: JAX's backend.
+    Args:
+      x_RK: rows sorted by group (expert), (R, K).
+      w_EKN: one (K, N) matrix per group, (E, K, N).
+      group_sizes_E: rows of each group, (E,) int; rows past their sum come out zero.
+      backend: "tiled_gmm", "ragged_dot" or "pallas_megablox".
+      platform: the platform of the mesh the program is compiled for (`pallas_megablox`
+        runs natively on "tpu", in Pallas interpret mode elsewhere); default: JAX's
+        backend.
+
+    Returns:
+      y_RN: row r times the matrix of its group.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from layers.grouped_matmul import gmm
+      >>> x = jnp.ones((4, 2))
+      >>> w = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])  # group 0: identity, group 1: twice
+      >>> gmm(x, w, jnp.array([1, 2])).tolist()  # 1 row of group 0, 2 of group 1, 1 left
+      [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
     """
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled_gmm":

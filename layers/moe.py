@@ -193,6 +193,29 @@ class MoEBlock(nnx.Module):
     __call__(x_BSM) -> (y_BSM, stats) with stats: load_balance_loss, dropped_fraction,
     dropped_tokens, tokens_per_expert (E,), nonfinite_tokens, and exchange_rounds when
     rows are exchanged, all over the global batch.
+
+    Args:
+      cfg: the config (see above).
+      mesh: the live mesh (keyword).
+      plan: the selector's plan (keyword; default `selector.resolve(cfg, mesh)`).
+      rngs: `nnx.Rngs` for the parameters (keyword).
+
+    Returns (calling it):
+      (y_BSM, stats): the block's output, sharded as its input, and the statistics.
+
+    Example (8 simulated CPU devices; tests/conftest.py sets them up):
+      >>> import jax, jax.numpy as jnp, selector, layers
+      >>> from flax import nnx
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25",
+      ...                         "max_target_length=256", "dtype=float32"])
+      >>> plan = selector.resolve(cfg)
+      >>> block = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan, jax.devices()[:8]),
+      ...                         plan=plan, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((2, 256, cfg.base_emb_dim))
+      >>> y, stats = block(x)
+      >>> y.shape, int(stats["dropped_tokens"]), int(stats["tokens_per_expert"].sum())
+      ((2, 256, 64), 0, 1024)
     """
 
     def __init__(

@@ -73,6 +73,27 @@ class Layout:
     the layers use, and the collectives that move weights into the block.
 
     Only axes of size > 1 on this mesh appear (a size-1 axis splits nothing).
+
+    Built by `Layout.from_plan(plan, mesh)`; `MoEBlock` holds one as `.layout`.
+
+    Args:
+      plan: the selector's DispatchPlan (axis roles and the weight placement).
+      mesh: the live mesh it runs on.
+
+    Returns:
+      Its members: `x_BSM` (the tokens' spec), `weight_specs()` (each weight at rest),
+      `batch`, `sequence`, `experts`, `embed`, `hidden`, `group` (mesh axes per role).
+
+    Example (8 simulated CPU devices; tests/conftest.py sets them up):
+      >>> import jax, selector, layers
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"])
+      >>> plan = selector.resolve(cfg)
+      >>> layout = layers.Layout.from_plan(plan, layers.mesh_for_plan(plan, jax.devices()[:8]))
+      >>> layout.x_BSM  # tokens: batch over fsdp, sequence over context
+      P('fsdp', 'context', None)
+      >>> layout.weight_specs()["wi_0_EMH"]  # experts over the context group, embed over fsdp
+      P('context', 'fsdp', None)
     """
 
     mesh: Mesh

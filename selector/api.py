@@ -48,10 +48,25 @@ def analyse_any(cfg: Any, mesh: Any = None) -> tuple[DispatchPlan | None, list[F
 
 
 def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
-    """The DispatchPlan for `cfg` (Config, DictConfig or mapping) on `mesh`.
+    """The DispatchPlan for `cfg` on `mesh`.
 
-    `mesh` is a live `jax.sharding.Mesh` (its shape wins over the config's mesh knobs)
-    or None. Raises `ConfigError` listing every finding when any is an error.
+    Args:
+      cfg: a Config, DictConfig or mapping of settings.
+      mesh: a live `jax.sharding.Mesh` (its shape wins over the config's mesh knobs), or
+        None to use the config's mesh knobs and `num_devices`.
+
+    Returns:
+      The frozen DispatchPlan: `.strategy`, `.placement`, `.per_device`, `.reason`,
+      `.estimates` (see the README's "The plan"). Raises `ConfigError` listing every
+      finding when any is an error.
+
+    Example:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"])
+      >>> plan = selector.resolve(cfg)
+      >>> plan.strategy.value, plan.placement.exchange.value
+      ('megablox', 'all_to_all')
     """
     plan, findings = analyse_any(cfg, mesh)
     if plan is None or errors_in(findings):
@@ -79,9 +94,26 @@ def compile_check(cfg: Any, mesh: Any = None, *, progress=None) -> CompileCheck:
 
 
 def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
-    """Every finding for `cfg` on `mesh`; never raises for a bad config: a key nothing
-    reads (UNKNOWN_SETTING), a value of the wrong type (VALUE_TYPE_INVALID) or something
-    that is no config at all (CONFIG_NOT_A_MAPPING) is a finding like any other."""
+    """Every finding for `cfg` on `mesh`, for a pre-launch check.
+
+    Args:
+      cfg: anything: a Config, DictConfig, mapping, or not a config at all.
+      mesh: a live `jax.sharding.Mesh`, or None.
+
+    Returns:
+      The list of Findings (each with `.code`, `.severity`, `.setting`, `.message` and
+      verified `.fixes`); empty when the config is clean. Never raises for a bad config:
+      a key nothing reads (UNKNOWN_SETTING), a value of the wrong type
+      (VALUE_TYPE_INVALID) or something that is no config at all (CONFIG_NOT_A_MAPPING)
+      is a finding like any other.
+
+    Example:
+      >>> import selector
+      >>> [f.code for f in selector.validate({"num_experts": 8, "num_experts_per_tok": 9})]
+      ['TOPK_EXCEEDS_EXPERTS', 'NUM_DEVICES_UNKNOWN']
+      >>> [f.code for f in selector.validate(42)]
+      ['CONFIG_NOT_A_MAPPING']
+    """
     try:
         return analyse_any(cfg, mesh)[1]
     except ConfigError as exc:

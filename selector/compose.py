@@ -86,8 +86,24 @@ def override_key(line: str) -> str:
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """Compose the packaged config with Hydra overrides; works from any directory.
 
-    A key the schema does not have is a ConfigError (UNKNOWN_SETTING) with the
-    closest real keys, whether it is set plainly or added with Hydra's `+`/`++`.
+    Args:
+      overrides: Hydra override strings, as on the command line (`model=tiny`,
+        `ici_context_parallelism=4`, `mesh=v5p_64`).
+
+    Returns:
+      The composed DictConfig (MaxText spelling for shared knobs); `to_config` types it.
+      A key the schema does not have is a ConfigError (UNKNOWN_SETTING) with the
+      closest real keys, whether it is set plainly or added with Hydra's `+`/`++`.
+
+    Example:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4"])
+      >>> cfg.num_experts, cfg.ici_context_parallelism
+      (8, 4)
+      >>> selector.compose(["ici_contex_parallelism=4"])
+      Traceback (most recent call last):
+      ...
+      selector.findings.ConfigError: ... Did you mean ici_context_parallelism? ...
     """
     for line in overrides:
         key = override_key(line)
@@ -144,9 +160,22 @@ def _missing_key(exc: BaseException, overrides: Sequence[str]) -> str | None:
 def to_config(cfg: Any, *, others: str = "error") -> Config:
     """A typed Config from a Config, a DictConfig or a plain mapping.
 
-    Keys that are not settings raise ConfigError (UNKNOWN_SETTING) with a did-you-mean.
-    `others="misspellings"` is for a node that also holds an app's own keys (the root of
-    a training config): only keys that look like a misspelled setting are errors.
+    Args:
+      cfg: a Config (returned as it is), a DictConfig from `compose` or a user's Hydra
+        app, or a plain mapping of settings.
+      others: "error" (default): a key that is not a setting raises ConfigError
+        (UNKNOWN_SETTING) with a did-you-mean; "misspellings", for a node that also
+        holds an app's own keys (the root of a training config): only keys that look
+        like a misspelled setting are errors.
+
+    Returns:
+      The frozen, typed `selector.Config`: what the selector's core reads.
+
+    Example:
+      >>> import selector
+      >>> config = selector.to_config({"num_experts": 16, "num_experts_per_tok": 2})
+      >>> config.num_experts, config.mode.value
+      (16, 'train')
     """
     if isinstance(cfg, Config):
         return cfg

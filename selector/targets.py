@@ -52,9 +52,24 @@ def gpu_chips() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Target:
-    """A compile target: `chip` (a TPU generation, a GPU, or "cpu"), `per_slice` devices
-    in each slice (TPU chips of one ICI slice, GPUs of one host), `slices` of them
-    (DCN-connected slices, or hosts)."""
+    """A compile target: abstract devices of real chips, for compiling on a laptop.
+
+    Args:
+      chip: a TPU generation ("v5p", "v6e", "v5e"), a GPU ("h100", "h200"), or "cpu".
+      per_slice: devices in each slice (TPU chips of one ICI slice, GPUs of one host).
+      slices: how many (DCN-connected slices, or hosts).
+
+    `.devices()` returns the abstract devices (XLA:TPU through libtpu, the `tpu` extra;
+    XLA:GPU through JAX's CUDA plugin, the `gpu` extra; a missing plugin raises
+    TargetUnavailable naming the extra), `.compile_options()` what the compiler needs.
+
+    Example:
+      >>> from selector.targets import Target
+      >>> Target("v5p", 8).describe()
+      'v5p, 8 chips (2x2x2)'
+      >>> Target("h200", 8, 2).describe(), Target("h200", 8, 2).platform
+      ('h200, 2 hosts x 8 GPUs', 'gpu')
+    """
 
     chip: str
     per_slice: int

@@ -265,8 +265,32 @@ def _unknown_override(key: str, allowed: set[str]) -> MaxTextError:
 def from_maxtext(
     path: str | Path, overrides: Sequence[str] = (), conf_dir: Path | None = None
 ) -> MaxTextImport:
-    """Read a MaxText config (and overrides) into a typed Config, with what was ignored
-    and the MaxText-specific findings. Raises MaxTextError for unusable input."""
+    r"""Read a MaxText config (and overrides) as MaxText 0.2.5 reads it.
+
+    Args:
+      path: a MaxText YAML (its `base_config:` chain is followed as MaxText does).
+      overrides: `key=value` strings in MaxText's keys (`model_name=...`,
+        `ici_context_parallelism=4`) or this check's own (`num_devices=8`, `chip=v5p`).
+      conf_dir: the selector's config tree (default: the packaged one).
+
+    Returns:
+      A MaxTextImport: `.config` (a typed Config for `resolve`), `.findings` (what
+      MaxText does differently, measured or read in its source), `.ignored` keys,
+      `.notes`. Raises MaxTextError for unusable input (a key nothing reads, a missing
+      file, unreadable YAML).
+
+    Example (a two-key file on top of MaxText-like defaults, written here):
+      >>> import pathlib, tempfile, selector
+      >>> base = pathlib.Path(tempfile.mkdtemp()) / "base.yml"
+      >>> _ = base.write_text("base_emb_dim: 256\nbase_moe_mlp_dim: 512\nnum_experts: 8\n"
+      ...                     "num_experts_per_tok: 2\nper_device_batch_size: 1\n"
+      ...                     "max_target_length: 1024\nici_fsdp_parallelism: -1\n")
+      >>> imported = selector.from_maxtext(base, ["num_devices=8", "ici_context_parallelism=4"])
+      >>> imported.config.num_experts, imported.config.ici_context_parallelism
+      (8, 4)
+      >>> [f.code for f in selector.validate(imported.config)]
+      ['LOCAL_BATCH_INFLATION']
+    """
     conf_dir = conf_dir or packaged_conf()
     over = parse_overrides(overrides)
     raw, files, each = load_chain(Path(path))
