@@ -5,7 +5,7 @@ Importing this package never imports jax (compiling, with `compile=true` or
 `compile_check`, imports it then).
 """
 
-from .api import compile_check, register_resolvers, resolve, validate
+from .api import compile_check, measure_check, register_resolvers, resolve, validate
 from .compile_mode import CompileCheck, CompiledCandidate
 from .compose import compose, conf_dir, to_config
 from .config import (
@@ -48,6 +48,7 @@ __all__ = [
     "Severity",
     "WeightPlacement",
     "compile_check",
+    "measure_check",
     "compose",
     "conf_dir",
     "from_maxtext",

@@ -12,6 +12,7 @@ from .compile_mode import CompileCheck, check
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
 from .findings import ConfigError, Finding, error, errors_in, shown, warning
+from .measure_mode import MeasureCheck
 from .plan import DispatchPlan, analyse
 
 
@@ -87,6 +88,36 @@ def compile_check(cfg: Any, mesh: Any = None, *, progress=None) -> CompileCheck:
     each step (compiles take minutes at the real models' sizes)."""
     config, notes = _typed(cfg, mesh)
     plan, findings, checked = check(config, live_mesh_shape(mesh), progress=progress)
+    findings = notes + list(findings)
+    if checked is None or errors_in(findings):
+        raise ConfigError(findings)
+    return checked
+
+
+def measure_check(cfg: Any, mesh: Any = None, *, progress=None, time_fn=None) -> MeasureCheck:
+    """Choose as `resolve` does, then time the estimate's choice and the next candidates
+    that fit on this process's devices at the configured shape (interleaved rounds,
+    `measure_rounds` of them) and choose the measured fastest.
+
+    Args:
+      cfg: a Config, DictConfig or mapping (`measure_save=PATH` also writes the time
+        calibration these measurements give).
+      mesh: a live mesh, or None (the config's mesh on `jax.devices()`).
+      progress: called with each step's message.
+      time_fn: `(config, keys, rounds) -> {key: [seconds]}`; default: build and run each
+        candidate here (`layers.measured.time_candidates`).
+
+    Returns:
+      The MeasureCheck: `.plan` (its choice follows the medians), `.measured` (each
+      candidate's estimated and measured times), `.calibration()`. Raises ConfigError
+      when the config has errors.
+    """
+    from .measure_mode import check as measure
+
+    config, notes = _typed(cfg, mesh)
+    plan, findings, checked = measure(
+        config, live_mesh_shape(mesh), time_fn=time_fn, progress=progress
+    )
     findings = notes + list(findings)
     if checked is None or errors_in(findings):
         raise ConfigError(findings)

@@ -206,14 +206,17 @@ def _emit(text: str) -> None:
 def analysed(config):
     """(plan, findings, compile check or None): compiled candidates when `compile=true`.
     A compiler plugin that is missing is unusable input (exit 2, naming the extra)."""
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    if config.measure:
+        return measured(config, progress)
     if not config.compile:
         plan, findings = analyse_any(config)
         return plan, findings, None
     from .compile_mode import check
     from .targets import TargetUnavailable
-
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
 
     try:
         return check(config, progress=progress)
@@ -224,6 +227,25 @@ def analysed(config):
             f"compile=true could not compile for {config.hardware.name} "
             f"({type(exc).__name__}: {shown(_first_line(exc), 300)}). The estimate-only "
             "check runs without compile=true."
+        ) from None
+
+
+def measured(config, progress):
+    """measure=true: time the top candidates on this process's devices (simulated CPU
+    devices for hardware=cpu; the chips themselves on a TPU or GPU host)."""
+    from .measure_mode import check
+    from .targets import prepare_process
+
+    if config.hardware.platform == "cpu":  # simulated devices, set before jax starts
+        plan, _ = analyse_any(config)
+        prepare_process("cpu", plan.mesh.num_devices if plan is not None else 1)
+    try:
+        return check(config, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - a failed run is reported, not raised
+        raise _Usage(
+            f"measure=true could not time the candidates on this machine "
+            f"({type(exc).__name__}: {shown(_first_line(exc), 300)}). The estimate-only "
+            "check runs without measure=true."
         ) from None
 
 

@@ -171,7 +171,9 @@ def check(
                 todo.append(winner)
     final = _with_compiled(estimates, compiled)
     (strategy, exchange), reason, verdicts = choose(config, final)
-    new_plan, new_findings = _replan(config, live_shape, plan, (strategy, exchange), reason)
+    new_plan, new_findings = replan(
+        config, live_shape, plan, (strategy, exchange), f"compiled for {plan.target}: {reason}"
+    )
     extra = _compile_findings(config, plan, compiled, (strategy, exchange))
     kept = [f for f in new_findings if f.code != "MEMORY_EXCEEDED"]
     new_findings = kept + extra
@@ -202,19 +204,17 @@ def _with_compiled(estimates, compiled) -> dict[Key, Estimate]:
     return {**estimates, **{key: c.as_compiled for key, c in compiled.items()}}
 
 
-def _replan(config, live_shape, plan: DispatchPlan, chosen: Key, reason: str):
-    """The plan for the compiled choice: the same analysis with that choice forced, so
-    its placement and findings are the forced candidate's; the reason says why."""
+def replan(config, live_shape, plan: DispatchPlan, chosen: Key, reason: str):
+    """The plan for a choice made after the estimate (compiled or measured): the same
+    analysis with that choice forced, so its placement and findings are the forced
+    candidate's; `reason` says why. The estimate's own choice keeps its plan."""
     if chosen == (plan.strategy, plan.placement.exchange):
         return plan, list(plan.findings)
     forced = config.replace(dispatch=chosen[0], expert_exchange=chosen[1])
     new_plan, findings = analyse(forced, live_shape)
     assert new_plan is not None  # the same config, one candidate forced
     new_plan = dataclasses.replace(
-        new_plan,
-        requested=plan.requested,
-        reason=f"compiled for {plan.target}: {reason}",
-        candidates=plan.candidates,
+        new_plan, requested=plan.requested, reason=reason, candidates=plan.candidates
     )
     return new_plan, findings
 

@@ -208,6 +208,14 @@ class Config:
     # (XLA:TPU / XLA:GPU ahead of time, XLA:CPU on simulated devices) and let the
     # compiled memory decide what fits (selector.compile_check).
     compile: bool = False
+    # Time the top candidates on this process's devices at the configured shape
+    # (interleaved rounds, medians) and choose the measured fastest (selector.measure_check);
+    # measure_save writes the measured / estimated time ratios as a time calibration for
+    # the hardware, which time_calibration reads back into the estimates.
+    measure: bool = False
+    measure_rounds: int = 5
+    measure_save: str = ""
+    time_calibration: str = ""
     output: OutputFormat = OutputFormat.text
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)

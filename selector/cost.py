@@ -34,6 +34,7 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
+from . import time_calibration
 from .config import Config, Dispatch, Exchange
 from .memory_model import (
     CALIBRATION_FILE,
@@ -223,6 +224,20 @@ def state_bytes(cfg: Config, p: DeviceProblem, weights_rest: float) -> float:
     return per_layer * max(cfg.num_moe_layers, 1)
 
 
+def time_factor(cfg: Config, key: str) -> float:
+    """Measured over estimated time for the program of calibration `key` (1 without a
+    time calibration, or with one that cannot be used: TIME_CALIBRATION_INVALID says so)."""
+    try:
+        return time_calibration.scale(cfg.time_calibration, cfg.hardware.name, program_of(key))
+    except time_calibration.TimeCalibrationError:
+        return 1.0
+
+
+def program_of(key: str) -> str:
+    """`{mode} {program}` of a calibration key (`tpu train megablox` -> `train megablox`)."""
+    return key.split(" ", 1)[1]
+
+
 def estimate(
     strategy: Dispatch,
     place: WeightPlacement,
@@ -245,6 +260,9 @@ def estimate(
         moved.hbm / (hw.hbm_bandwidth_gbps * 1e9),
         moved.ici / (hw.ici_bandwidth_gbps * 1e9) + moved.dcn / (hw.dcn_bandwidth_gbps * 1e9),
     )
+    # A time calibration measured on this hardware (measure_save) scales the model's time.
+    factor = time_factor(cfg, key)
+    parts = tuple(t * factor for t in parts)
     state = state_bytes(cfg, p, rest)
     est = Estimate(
         strategy=strategy,

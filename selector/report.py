@@ -47,6 +47,30 @@ def render_compiled(check) -> list[str]:
     return lines
 
 
+def render_measured(check) -> list[str]:
+    """The measure check's table: each timed candidate, estimated beside measured."""
+    lines = [
+        "",
+        f"Timed on {check.devices} {check.hardware} devices (interleaved rounds, medians)",
+        f"  {'candidate':<21} {'est ms':>9} {'median ms':>10} {'measured / est':>14}",
+    ]
+    chosen = check.plan.chosen_estimate.name
+    for c in check.measured:
+        lines.append(
+            f"{'*' if c.name == chosen else ' '} {c.name:<21} {c.estimate.time_s * 1e3:>9.3g} "
+            f"{c.median * 1e3:>10.3g} {c.ratio:>14.3g}"
+        )
+    lines.append(
+        f"  choice after timing: {chosen}"
+        + (
+            f" (the estimate chose {check.estimated_choice}; the measurement decides)"
+            if check.changed
+            else " (as estimated)"
+        )
+    )
+    return lines
+
+
 def render_text(
     cfg: Config, plan: DispatchPlan | None, findings: list[Finding], compiled=None
 ) -> str:
@@ -119,8 +143,12 @@ def render_text(
             ),
             _wrap(f"expert weights: {plan.expert_weights}", "  "),
         ]
-    if compiled is not None:
-        lines += render_compiled(compiled)
+    if compiled is not None:  # a compile check, or a measure check (it has .measured)
+        lines += (
+            render_measured(compiled)
+            if hasattr(compiled, "measured")
+            else render_compiled(compiled)
+        )
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
     for f in findings:
         lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
@@ -151,6 +179,9 @@ def render_json(
         "mode": cfg.mode.value,
         "plan": plan.as_dict() if plan is not None else None,
         "findings": [f.as_dict() for f in findings],
-        "compiled": compiled.as_dict() if compiled is not None else None,
+        "compiled": None,
+        "measured": None,
     }
+    if compiled is not None:
+        payload["measured" if hasattr(compiled, "measured") else "compiled"] = compiled.as_dict()
     return json.dumps(payload, sort_keys=True)

@@ -133,6 +133,7 @@ def prepare_process(platform: str, num_devices: int) -> None:
     if platform in ("tpu", "gpu"):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # not a plugin's backend
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         count = f"--xla_force_host_platform_device_count={num_devices}"

@@ -95,6 +95,10 @@ OWN_KEYS = (
     "expert_buffer_factor",
     "optimizer_bytes_per_param",
     "compile",
+    "measure",
+    "measure_rounds",
+    "measure_save",
+    "time_calibration",
 )
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
@@ -324,6 +328,10 @@ def from_maxtext(
         "expert_buffer_factor",
         "optimizer_bytes_per_param",
         "compile",
+        "measure",
+        "measure_rounds",
+        "measure_save",
+        "time_calibration",
     ):
         if key in raw and raw[key] is not None:
             values[key] = coerce(key, raw[key], _FIELD_TYPES[key])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from .. import time_calibration
 from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend
 from ..findings import Finding, error, fix, warning
 
@@ -205,6 +206,23 @@ def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
     return []
 
 
+def time_calibration_usable(cfg: Config) -> list[Finding]:
+    """A time calibration that cannot be read, or was measured on other hardware."""
+    if not cfg.time_calibration:
+        return []
+    try:
+        time_calibration.load(cfg.time_calibration, cfg.hardware.name)
+    except time_calibration.TimeCalibrationError as exc:
+        return [
+            error(
+                "TIME_CALIBRATION_INVALID",
+                "time_calibration",
+                f"{exc}. The estimates keep the model's time until it is fixed.",
+            )
+        ]
+    return []
+
+
 SETTINGS_RULES = (
     sizes_in_range,
     routing_groups,
@@ -216,4 +234,5 @@ SETTINGS_RULES = (
     hardware_values,
     mlp_needs_one_expert,
     gmm_backend_on_platform,
+    time_calibration_usable,
 )

@@ -1,0 +1,55 @@
+"""Candidates of a plan timed on this process's devices, for measure mode
+(`selector.measure_mode`): each is built, compiled once, then run one step per round,
+interleaved with the others, so a noisy machine slows them alike."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+from flax import nnx
+
+import selector
+
+from .compiled import block_forward, fwd_bwd_loss
+from .moe import MoEBlock
+from .sharding import mesh_for_plan
+
+
+def _step(config: selector.Config, strategy, exchange):
+    """(the jitted step, its arguments) of one candidate at the configured shape:
+    fwd+bwd when training, the forward otherwise."""
+    forced = config.replace(dispatch=strategy, expert_exchange=exchange)
+    plan = selector.resolve(forced)
+    devices = jax.devices()[: plan.mesh.num_devices]
+    block = MoEBlock(forced, mesh=mesh_for_plan(plan, devices), plan=plan, rngs=nnx.Rngs(0))
+    dev = plan.per_device
+    shape = (round(dev.global_batch), dev.seq_len, forced.base_emb_dim)
+    layout = block.layout
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(1), shape, block.spec.compute_dtype),
+        layout.named(layout.x_BSM),
+    )
+    forward = block_forward(block)
+    if forced.mode is selector.Mode.train:
+        fn = jax.jit(jax.grad(fwd_bwd_loss(forward), argnums=(0, 1)))
+    else:
+        fn = jax.jit(forward)
+    return fn, (block.weights(), x)
+
+
+def time_candidates(config: selector.Config, keys, rounds: int) -> dict:
+    """{(strategy, exchange): [seconds per step, one per round]} for each candidate."""
+    steps = {key: _step(config, *key) for key in keys}
+    for fn, args in steps.values():  # compile and warm up outside the timed rounds
+        jax.block_until_ready(fn(*args))
+    times: dict = {key: [] for key in keys}
+    for _ in range(max(rounds, 1)):
+        for key, (fn, args) in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+__all__ = ["time_candidates"]

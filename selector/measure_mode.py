@@ -1,0 +1,206 @@
+"""Measure mode (`measure=true`): the top candidates timed on this process's devices at
+the configured shape, and a choice that follows the measured medians.
+
+The estimate's time is a model; a user with devices can ask for the answer. The chosen
+candidate and the others that fit (up to `MAX_TIMED`, fastest estimated first) are
+compiled and run interleaved, round after round (one step of each per round, so a
+noisy machine slows them alike), and the fastest median among those that fit wins. The
+ratios of measured to estimated time, per program, can be written
+(`measure_save=PATH`) and read back as a time calibration for this hardware
+(`time_calibration=PATH`, `selector.time_calibration`).
+
+The logic here is pure; timing needs jax and the layers, imported only when the check
+runs (`time_fn` defaults to `layers.measured.time_candidates`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .compile_mode import Key, replan
+from .config import Config, Dispatch, Exchange
+from .cost import Estimate, program_of
+from .findings import Finding, errors_in, warning
+from .memory_model import calibration_key
+from .plan import Candidate, DispatchPlan, analyse
+
+MAX_TIMED = 3  # candidates timed: the estimate's choice and the next that fit
+
+
+@dataclass(frozen=True)
+class MeasuredCandidate:
+    """One candidate as estimated and as timed (seconds per step, every round)."""
+
+    estimate: Estimate
+    program: str  # `{mode} {program}`: what a time calibration keys its ratio by
+    times: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return self.estimate.name
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def ratio(self) -> float:
+        """Measured over estimated time."""
+        return self.median / max(self.estimate.time_s, 1e-12)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "program": self.program,
+            "estimated_s": self.estimate.time_s,
+            "median_s": self.median,
+            "times_s": list(self.times),
+            "ratio": self.ratio,
+        }
+
+
+@dataclass(frozen=True)
+class MeasureCheck:
+    """The plan after timing, and what was timed."""
+
+    hardware: str
+    devices: int
+    plan: DispatchPlan  # its choice follows the measured medians
+    estimated_choice: str
+    measured: tuple[MeasuredCandidate, ...]
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return self.plan.findings
+
+    @property
+    def changed(self) -> bool:
+        return self.plan.chosen_estimate.name != self.estimated_choice
+
+    def calibration(self) -> dict:
+        """The time calibration these measurements give (see selector.time_calibration):
+        each program's measured / estimated ratio, the estimates taken without one."""
+        return {
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "ratios": {c.program: c.ratio for c in self.measured},
+            "measured": [c.as_dict() for c in self.measured],
+        }
+
+    def as_dict(self) -> dict:
+        return {
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "estimated_choice": self.estimated_choice,
+            "choice": self.plan.chosen_estimate.name,
+            "changed": self.changed,
+            "candidates": [c.as_dict() for c in self.measured],
+        }
+
+
+def _default_time(config: Config, keys: list[Key], rounds: int) -> dict[Key, list[float]]:
+    from layers.measured import time_candidates  # jax only when timing
+
+    return time_candidates(config, keys, rounds)
+
+
+def check(
+    config: Config,
+    live_shape: dict | None = None,
+    *,
+    time_fn: Callable[[Config, list[Key], int], dict[Key, list[float]]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[DispatchPlan | None, list[Finding], MeasureCheck | None]:
+    """(plan, findings, measure check). A config with errors is not timed (None).
+
+    `time_fn(config, keys, rounds)` returns each candidate's step times, run interleaved
+    on this process's devices."""
+    say = progress or (lambda _: None)
+    # The estimates being checked are the model's own: a time calibration in use would
+    # make the ratios relative to itself.
+    bare = config.replace(time_calibration="")
+    plan, findings = analyse(bare, live_shape)
+    if plan is None or errors_in(findings):
+        return plan, findings, None
+    estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
+    first: Key = (plan.strategy, plan.placement.exchange)
+    others = sorted(
+        (k for k, e in estimates.items() if k != first and e.fits and _runnable(config, k)),
+        key=lambda k: estimates[k].time_s,
+    )
+    keys = [first, *others][:MAX_TIMED]
+    names = ", ".join(estimates[k].name for k in keys)
+    say(f"timing {names} on {plan.mesh.num_devices} devices, {config.measure_rounds} rounds ...")
+    times = (time_fn or _default_time)(bare, keys, config.measure_rounds)
+    measured = {
+        k: MeasuredCandidate(estimates[k], _program(bare, k), tuple(times[k])) for k in keys
+    }
+    for c in measured.values():
+        say(f"  {c.name}: median {c.median * 1e3:.3g} ms ({c.estimate.time_s * 1e3:.3g} estimated)")
+    fastest = min(measured, key=lambda k: measured[k].median)
+    reason = (
+        f"measured fastest on {plan.mesh.num_devices} devices: {measured[fastest].name} "
+        f"{measured[fastest].median * 1e3:.3g} ms (median of {config.measure_rounds})"
+    )
+    new_plan, new_findings = replan(bare, live_shape, plan, fastest, reason)
+    if fastest != first:
+        new_findings = [*new_findings, _differs(plan, measured, first, fastest)]
+    new_plan = dataclasses.replace(
+        new_plan,
+        findings=tuple(new_findings),
+        candidates=tuple(_verdict(c, measured, fastest) for c in plan.candidates),
+    )
+    result = MeasureCheck(
+        hardware=config.hardware.name,
+        devices=plan.mesh.num_devices,
+        plan=new_plan,
+        estimated_choice=plan.chosen_estimate.name,
+        measured=tuple(measured.values()),
+    )
+    if config.measure_save:
+        Path(config.measure_save).write_text(json.dumps(result.calibration(), indent=1) + "\n")
+        say(f"wrote the time calibration {config.measure_save}")
+    return new_plan, new_findings, result
+
+
+def _verdict(c: Candidate, measured, fastest: Key) -> Candidate:
+    """The candidate marked as chosen by the measurement, its verdict the median."""
+    key = (c.strategy, c.exchange)
+    if key not in measured:
+        return dataclasses.replace(c, chosen=False)
+    median = f"measured {measured[key].median * 1e3:.3g} ms"
+    verdict = f"chosen ({median}, fastest)" if key == fastest else f"slower ({median})"
+    return dataclasses.replace(c, verdict=verdict, chosen=key == fastest)
+
+
+def _runnable(config: Config, key: Key) -> bool:
+    """A candidate that can run as configured (forcing it raises no error: the capacity
+    path needs capacity_factor > 0) and whose dense work is modest (E/k <= 8)."""
+    strategy, exchange = key
+    if strategy is Dispatch.dense and config.num_experts > 8 * config.num_experts_per_tok:
+        return False
+    _, found = analyse(config.replace(dispatch=strategy, expert_exchange=exchange))
+    return not errors_in(found)
+
+
+def _program(config: Config, key: Key) -> str:
+    strategy, exchange = key
+    return program_of(calibration_key(strategy, exchange or Exchange.gather, config))
+
+
+def _differs(plan: DispatchPlan, measured, first: Key, fastest: Key) -> Finding:
+    a, b = measured[first], measured[fastest]
+    return warning(
+        "MEASURED_CHOICE_DIFFERS",
+        "measure",
+        f"Timed on {plan.mesh.num_devices} devices, the estimate's choice {a.name} took "
+        f"{a.median * 1e3:.3g} ms a step (estimated {a.estimate.time_s * 1e3:.3g}) and "
+        f"{b.name} {b.median * 1e3:.3g} ms (estimated {b.estimate.time_s * 1e3:.3g}): the "
+        f"choice follows the measurement ({b.name}). Save the ratios with measure_save=PATH "
+        "and pass time_calibration=PATH to price this hardware as measured.",
+    )

@@ -1,0 +1,109 @@
+"""Measure mode (`measure=true`, `selector.measure_check`): candidates timed on the 8
+simulated CPU devices, a choice that follows the medians, and the measured ratios saved
+and read back as a time calibration."""
+
+import json
+
+import pytest
+from helpers import codes
+
+import selector
+from selector import Dispatch, Exchange
+from selector.cli import main
+
+SMALL = [
+    "model=tiny",
+    "mesh=cpu_8",
+    "ici_context_parallelism=4",
+    "ici_fsdp_parallelism=2",
+    "per_device_batch_size=0.25",
+    "max_target_length=1024",
+]
+
+
+def _config(*extra):
+    return selector.to_config(selector.compose([*SMALL, *extra]))
+
+
+def test_timed_on_the_devices_and_the_fastest_median_chosen(jax_cpu8):
+    """The real timer on 8 simulated devices: the estimate's choice and the others that
+    fit are timed, each round; the plan's choice is the candidate with the smallest
+    median, whatever the estimate said."""
+    check = selector.measure_check(_config("measure_rounds=2"))
+    timed = {c.name: c for c in check.measured}
+    assert check.estimated_choice in timed and len(timed) >= 2
+    assert all(len(c.times) == 2 and min(c.times) > 0 for c in timed.values())
+    fastest = min(timed.values(), key=lambda c: c.median)
+    assert check.plan.chosen_estimate.name == fastest.name
+    chosen = [c for c in check.plan.candidates if c.chosen]
+    assert len(chosen) == 1 and "measured" in chosen[0].verdict
+
+
+def _fixed_times(times_by_name):
+    def time_fn(config, keys, rounds):
+        name = {
+            (Dispatch.megablox, Exchange.gather): "megablox/gather",
+            (Dispatch.megablox, Exchange.all_to_all): "megablox/all_to_all",
+            (Dispatch.dense, Exchange.gather): "dense",
+        }
+        return {k: [times_by_name[name[k]]] * rounds for k in keys}
+
+    return time_fn
+
+
+def test_a_measurement_that_contradicts_the_estimate_wins_and_says_so():
+    """Pure: the estimate picks the exchange here; timed slower than the gather, the
+    gather is chosen, its plan is the gather's, and MEASURED_CHOICE_DIFFERS gives both."""
+    config = _config()
+    assert selector.resolve(config).placement.exchange is Exchange.all_to_all
+    times = {"megablox/all_to_all": 0.020, "megablox/gather": 0.010, "dense": 0.050}
+    check = selector.measure_check(config, time_fn=_fixed_times(times))
+    assert check.changed and check.plan.placement.exchange is Exchange.gather
+    assert "MEASURED_CHOICE_DIFFERS" in codes(check.findings)
+    same = selector.measure_check(
+        config, time_fn=_fixed_times({**times, "megablox/all_to_all": 0.005})
+    )
+    assert not same.changed and "MEASURED_CHOICE_DIFFERS" not in codes(same.findings)
+
+
+def test_saved_ratios_price_the_hardware_as_measured(tmp_path):
+    """measure_save writes measured / estimated per program; time_calibration reads it
+    back and each program's estimated time is multiplied by exactly its ratio."""
+    path = tmp_path / "cpu_times.json"
+    times = {"megablox/all_to_all": 0.020, "megablox/gather": 0.010, "dense": 0.050}
+    check = selector.measure_check(_config(f"measure_save={path}"), time_fn=_fixed_times(times))
+    saved = json.loads(path.read_text())
+    assert saved["hardware"] == "cpu" and set(saved["ratios"]) == {
+        c.program for c in check.measured
+    }
+    before = selector.resolve(_config())
+    after = selector.resolve(_config(f"time_calibration={path}"))
+    for c in check.measured:
+        key = (c.estimate.strategy, c.estimate.exchange)
+        old = before.candidate(*key).estimate.time_s
+        new = after.candidate(*key).estimate.time_s
+        assert new == pytest.approx(old * saved["ratios"][c.program], rel=1e-12)
+        assert new == pytest.approx(times[c.name], rel=1e-9)  # the measured time, priced
+    # Calibrated, the estimate now picks what was measured fastest.
+    assert after.chosen_estimate.name == "megablox/gather"
+
+
+def test_an_unusable_time_calibration_is_an_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    other = tmp_path / "tpu.json"
+    other.write_text(json.dumps({"hardware": "v5p", "ratios": {"train megablox": 2.0}}))
+    for path, words in (
+        (bad, "cannot be read"),
+        (other, "hardware='v5p'"),
+        (tmp_path / "missing.json", "cannot be read"),
+    ):
+        found = selector.validate(_config(f"time_calibration={path}"))
+        (f,) = [f for f in found if f.code == "TIME_CALIBRATION_INVALID"]
+        assert words in f.message
+
+
+def test_measure_from_the_command_line(jax_cpu8, capsys):
+    assert main([*SMALL, "measure=true", "measure_rounds=1"]) == 0
+    out = capsys.readouterr().out
+    assert "Timed on 8 cpu devices" in out and "median ms" in out
