@@ -204,48 +204,44 @@ def _emit(text: str) -> None:
 
 
 def analysed(config):
-    """(plan, findings, compile check or None): compiled candidates when `compile=true`.
-    A compiler plugin that is missing is unusable input (exit 2, naming the extra)."""
+    """(plan, findings, compile or measure check, or None): compiled candidates when
+    `compile=true`, timed ones when `measure=true`. A compiler plugin that is missing is
+    unusable input (exit 2, naming the extra), and so is a run that fails."""
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     if config.measure:
-        return measured(config, progress)
+        from .measure_mode import check as measure
+        from .targets import prepare_process
+
+        if config.hardware.platform == "cpu":  # simulated devices, set before jax starts
+            plan, _ = analyse_any(config)
+            prepare_process("cpu", plan.mesh.num_devices if plan is not None else 1)
+        doing = "time the candidates on this machine"
+        return _or_usage("measure", doing, lambda: measure(config, progress=progress))
     if not config.compile:
         plan, findings = analyse_any(config)
         return plan, findings, None
     from .compile_mode import check
+
+    doing = f"compile for {config.hardware.name}"
+    return _or_usage("compile", doing, lambda: check(config, progress=progress))
+
+
+def _or_usage(flag: str, doing: str, run):
+    """run(), with a missing plugin or a failed run turned into one paragraph (exit 2)."""
     from .targets import TargetUnavailable
 
     try:
-        return check(config, progress=progress)
+        return run()
     except TargetUnavailable as exc:
         raise _Usage(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - a compiler failure is reported, not raised
+    except Exception as exc:  # noqa: BLE001 - a failure is reported, not raised
         raise _Usage(
-            f"compile=true could not compile for {config.hardware.name} "
-            f"({type(exc).__name__}: {shown(_first_line(exc), 300)}). The estimate-only "
-            "check runs without compile=true."
-        ) from None
-
-
-def measured(config, progress):
-    """measure=true: time the top candidates on this process's devices (simulated CPU
-    devices for hardware=cpu; the chips themselves on a TPU or GPU host)."""
-    from .measure_mode import check
-    from .targets import prepare_process
-
-    if config.hardware.platform == "cpu":  # simulated devices, set before jax starts
-        plan, _ = analyse_any(config)
-        prepare_process("cpu", plan.mesh.num_devices if plan is not None else 1)
-    try:
-        return check(config, progress=progress)
-    except Exception as exc:  # noqa: BLE001 - a failed run is reported, not raised
-        raise _Usage(
-            f"measure=true could not time the candidates on this machine "
-            f"({type(exc).__name__}: {shown(_first_line(exc), 300)}). The estimate-only "
-            "check runs without measure=true."
+            f"{flag}=true could not {doing} ({type(exc).__name__}: "
+            f"{shown(_first_line(exc), 300)}). The estimate-only check runs without "
+            f"{flag}=true."
         ) from None
 
 

@@ -84,13 +84,11 @@ class CompiledCandidate:
 
 
 @dataclass(frozen=True)
-class CompileCheck:
-    """The plan after compiling, and what was compiled."""
+class Recheck:
+    """A plan chosen again after the estimate (by compiling or by timing)."""
 
-    target: str
-    plan: DispatchPlan  # its choice follows the compiled numbers
-    estimated_choice: str  # the choice before compiling
-    compiled: tuple[CompiledCandidate, ...]
+    plan: DispatchPlan  # its choice follows what was compiled or measured
+    estimated_choice: str  # the estimate's choice, before
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -99,6 +97,14 @@ class CompileCheck:
     @property
     def changed(self) -> bool:
         return self.plan.chosen_estimate.name != self.estimated_choice
+
+
+@dataclass(frozen=True)
+class CompileCheck(Recheck):
+    """The plan after compiling, and what was compiled."""
+
+    target: str = ""
+    compiled: tuple[CompiledCandidate, ...] = ()
 
     def as_dict(self) -> dict:
         return {

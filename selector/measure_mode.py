@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .compile_mode import Key, replan
+from .compile_mode import Key, Recheck, replan
 from .config import Config, Dispatch, Exchange
 from .cost import Estimate, program_of
 from .findings import Finding, errors_in, warning
@@ -65,22 +65,13 @@ class MeasuredCandidate:
 
 
 @dataclass(frozen=True)
-class MeasureCheck:
-    """The plan after timing, and what was timed."""
+class MeasureCheck(Recheck):
+    """The plan after timing (its choice follows the measured medians), and what was
+    timed."""
 
-    hardware: str
-    devices: int
-    plan: DispatchPlan  # its choice follows the measured medians
-    estimated_choice: str
-    measured: tuple[MeasuredCandidate, ...]
-
-    @property
-    def findings(self) -> tuple[Finding, ...]:
-        return self.plan.findings
-
-    @property
-    def changed(self) -> bool:
-        return self.plan.chosen_estimate.name != self.estimated_choice
+    hardware: str = ""
+    devices: int = 0
+    measured: tuple[MeasuredCandidate, ...] = ()
 
     def calibration(self) -> dict:
         """The time calibration these measurements give (see selector.time_calibration):
