@@ -212,6 +212,9 @@ class Config:
     # (interleaved rounds, medians) and choose the measured fastest (selector.measure_check);
     # measure_save writes the measured / estimated time ratios as a time calibration for
     # the hardware, which time_calibration reads back into the estimates.
+    # Price time with the constants fitted on timed programs (selector/time_model.json,
+    # bench.decide); false: the cost model's raw compute, HBM and network terms.
+    time_model: bool = True
     measure: bool = False
     measure_rounds: int = 5
     measure_save: str = ""

@@ -57,6 +57,7 @@ from .problem import (
     problem_shape,
     rows,
 )
+from .time_model import fitted_parts
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,8 @@ def estimate(
         moved.hbm / (hw.hbm_bandwidth_gbps * 1e9),
         moved.ici / (hw.ici_bandwidth_gbps * 1e9) + moved.dcn / (hw.dcn_bandwidth_gbps * 1e9),
     )
+    if cfg.time_model:  # constants fitted on timed programs (bench.decide)
+        parts = fitted_parts(key, parts)
     # A time calibration measured on this hardware (measure_save) scales the model's time.
     factor = time_factor(cfg, key)
     parts = tuple(t * factor for t in parts)

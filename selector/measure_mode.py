@@ -121,7 +121,7 @@ def check(
     estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
     first: Key = (plan.strategy, plan.placement.exchange)
     others = sorted(
-        (k for k, e in estimates.items() if k != first and e.fits and _runnable(config, k)),
+        (k for k, e in estimates.items() if k != first and e.fits and timeable(config, k)),
         key=lambda k: estimates[k].time_s,
     )
     keys = [first, *others][:MAX_TIMED]
@@ -169,7 +169,7 @@ def _verdict(c: Candidate, measured, fastest: Key) -> Candidate:
     return dataclasses.replace(c, verdict=verdict, chosen=key == fastest)
 
 
-def _runnable(config: Config, key: Key) -> bool:
+def timeable(config: Config, key: Key) -> bool:
     """A candidate that can run as configured (forcing it raises no error: the capacity
     path needs capacity_factor > 0) and whose dense work is modest (E/k <= 8)."""
     strategy, exchange = key

@@ -99,6 +99,7 @@ OWN_KEYS = (
     "measure_rounds",
     "measure_save",
     "time_calibration",
+    "time_model",
 )
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
@@ -332,6 +333,7 @@ def from_maxtext(
         "measure_rounds",
         "measure_save",
         "time_calibration",
+        "time_model",
     ):
         if key in raw and raw[key] is not None:
             values[key] = coerce(key, raw[key], _FIELD_TYPES[key])

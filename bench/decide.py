@@ -1,0 +1,306 @@
+"""Do the selector's choices hold when timed? Every candidate of each config compiled and
+timed interleaved on 8 simulated CPU devices, a time model fitted on some configs and
+its picks checked on others it never saw.
+
+For each config (a mesh of 8 devices, E, k, tokens, emb, hidden, training or prefill;
+dropless, so the decision is between megablox gathered, megablox exchanged and dense
+where E/k <= 8) every candidate is built and timed one step per round, interleaved
+(layers.measured, 5 rounds, medians). The time model prices a candidate as
+a x compute + b x HBM + c x network + d seconds from the cost model's terms, with
+non-negative a, b, c, d fitted per (mode, program) on the fit configs by relative least
+squares; the held-out configs (fixed below before any fit) report how often the fitted
+model's pick is the measured fastest and the regret (measured time of the pick over
+the fastest's). The unfitted model (a = b = c = 1, d = 0) is reported beside it.
+
+    python -m bench.decide            # time, fit, write bench/results/decide.json and .png
+    python -m bench.decide --write    # also store the fit in selector/time_model.json
+    python -m bench.decide --refit    # fit again from the JSON's timings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bench.common import use_cpu_devices
+
+use_cpu_devices(8)
+
+import numpy as np  # noqa: E402
+
+from bench.common import load, pyplot, save, table  # noqa: E402
+
+ROUNDS = 5
+TERMS = ("compute", "hbm", "network", "step")
+
+# (mesh, experts, top_k, sequence, emb, hidden, mode): fixed before any fit.
+FIT = [
+    ({"data": 8}, 8, 2, 1024, 256, 512, "train"),
+    ({"data": 8}, 16, 8, 512, 256, 256, "train"),
+    ({"context": 8}, 8, 4, 8192, 256, 512, "train"),
+    ({"context": 8}, 32, 2, 8192, 128, 256, "train"),
+    ({"context": 8}, 64, 8, 4096, 128, 256, "train"),
+    ({"data": 2, "context": 4}, 8, 2, 4096, 256, 512, "train"),
+    ({"data": 2, "context": 4}, 16, 4, 8192, 128, 512, "train"),
+    ({"fsdp": 2, "context": 4}, 8, 8, 4096, 256, 256, "train"),
+    ({"fsdp": 2, "context": 4}, 32, 4, 8192, 256, 512, "train"),
+    ({"expert": 2, "context": 4}, 16, 2, 4096, 256, 512, "train"),
+    ({"expert": 2, "context": 4}, 64, 4, 8192, 128, 256, "train"),
+    ({"tensor": 2, "context": 4}, 8, 2, 4096, 256, 1024, "train"),
+    ({"tensor": 2, "context": 4}, 32, 8, 4096, 128, 512, "train"),
+    ({"context_usp_ulysses": 2, "context": 2, "data": 2}, 8, 4, 4096, 256, 512, "train"),
+    ({"context": 8}, 8, 2, 8192, 256, 512, "prefill"),
+    ({"context": 8}, 32, 4, 8192, 256, 512, "prefill"),
+    ({"data": 2, "context": 4}, 16, 8, 8192, 128, 256, "prefill"),
+    ({"fsdp": 2, "context": 4}, 8, 4, 8192, 256, 1024, "prefill"),
+    ({"expert": 2, "context": 4}, 64, 8, 8192, 128, 256, "prefill"),
+    ({"data": 8}, 4, 1, 1024, 512, 1024, "prefill"),
+]
+HELD_OUT = [
+    ({"data": 8}, 12, 3, 1024, 192, 384, "train"),
+    ({"context": 8}, 24, 6, 8192, 192, 384, "train"),
+    ({"data": 2, "context": 4}, 8, 8, 4096, 192, 384, "train"),
+    ({"fsdp": 2, "context": 4}, 16, 2, 8192, 192, 768, "train"),
+    ({"expert": 2, "context": 4}, 32, 8, 4096, 192, 384, "train"),
+    ({"tensor": 2, "context": 4}, 16, 4, 8192, 192, 384, "train"),
+    ({"context_usp_ulysses": 2, "context": 2, "data": 2}, 24, 3, 4096, 192, 384, "train"),
+    ({"context": 8}, 12, 6, 8192, 192, 768, "prefill"),
+    ({"fsdp": 2, "context": 4}, 48, 6, 8192, 192, 384, "prefill"),
+    ({"data": 8}, 8, 4, 1024, 384, 768, "prefill"),
+]
+
+
+def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
+    """One sequence per batch shard (so tokens per device = seq / cp), dropless."""
+    shards = 1
+    for axis in ("data", "fsdp", "expert"):
+        shards *= mesh.get(axis, 1)
+    return [
+        "model=tiny",
+        "mesh=cpu_8",
+        "hardware=cpu",
+        "ici_fsdp_parallelism=1",
+        *(f"ici_{axis}_parallelism={n}" for axis, n in mesh.items()),
+        f"num_experts={experts}",
+        f"num_experts_per_tok={top_k}",
+        f"max_target_length={seq}",
+        f"base_emb_dim={emb}",
+        f"base_moe_mlp_dim={hidden}",
+        f"per_device_batch_size={shards / 8}",
+        f"mode={mode}",
+        "capacity_factor=-1",
+        "dtype=float32",
+        "context_parallel_load_balance=false",
+        "time_model=false",  # the cost model's own terms, before any fit
+    ]
+
+
+def label(point) -> str:
+    mesh, experts, top_k, seq, emb, hidden, mode = point
+    axes = ",".join(f"{a}={n}" for a, n in mesh.items())
+    return f"{mode} [{axes}] E={experts} k={top_k} seq={seq} M={emb} H={hidden}"
+
+
+def measure(point) -> dict:
+    """Every timeable candidate of one config: its cost-model terms and step times."""
+    import selector
+    from layers.measured import time_candidates
+    from selector.cost import program_of
+    from selector.measure_mode import timeable
+    from selector.memory_model import calibration_key
+
+    config = selector.to_config(selector.compose(overrides(*point)))
+    plan = selector.resolve(config)
+    keys = [
+        (c.strategy, c.exchange)
+        for c in plan.candidates
+        if timeable(config, (c.strategy, c.exchange))
+    ]
+    times = time_candidates(config, keys, ROUNDS)
+    candidates = []
+    for c in plan.candidates:
+        key = (c.strategy, c.exchange)
+        if key not in times:
+            continue
+        compute, hbm, network = c.estimate.time_parts
+        candidates.append(
+            {
+                "name": c.estimate.name,
+                "program": program_of(calibration_key(*key, config)),
+                "terms": {"compute": compute, "hbm": hbm, "network": network, "step": 1.0},
+                "estimated_s": c.estimate.time_s,
+                "times_s": times[key],
+                "median_s": float(np.median(times[key])),
+            }
+        )
+    return {
+        "label": label(point),
+        "estimated_pick": plan.chosen_estimate.name,
+        "candidates": candidates,
+    }
+
+
+def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per program, non-negative coefficients on the terms minimising relative error
+    (a term whose coefficient fits negative is dropped and the fit repeated)."""
+    cands = [c for r in rows for c in r["candidates"]]
+    fitted = {}
+    for program in sorted({c["program"] for c in cands}):
+        pts = [c for c in cands if c["program"] == program]
+        measured = np.array([c["median_s"] for c in pts])
+        names = [t for t in TERMS if any(c["terms"][t] for c in pts)]
+        while True:
+            design = np.array([[c["terms"][t] for t in names] for c in pts]) / measured[:, None]
+            coef, *_ = np.linalg.lstsq(design, np.ones(len(pts)), rcond=None)
+            if (coef >= 0).all() or len(names) == 1:
+                break
+            names.pop(int(np.argmin(coef)))
+        got = dict(zip(names, coef, strict=True))
+        fitted[program] = {t: float(got.get(t, 0.0)) for t in TERMS}
+    return fitted
+
+
+UNFITTED = {"compute": 1.0, "hbm": 1.0, "network": 1.0, "step": 0.0}
+
+
+def predicted(c: dict, model: dict | None) -> float:
+    coef = (model or {}).get(c["program"], UNFITTED)
+    return sum(coef[t] * c["terms"][t] for t in TERMS)
+
+
+def decisions(rows: list[dict], model: dict | None) -> list[dict]:
+    """Per config: the model's pick among the timed candidates, the measured fastest,
+    and the regret."""
+    out = []
+    for r in rows:
+        cands = r["candidates"]
+        if len(cands) < 2:
+            continue
+        pick = min(cands, key=lambda c: predicted(c, model))
+        best = min(cands, key=lambda c: c["median_s"])
+        out.append(
+            {
+                "config": r["label"],
+                "pick": pick["name"],
+                "fastest": best["name"],
+                "right": pick["name"] == best["name"],
+                "regret": pick["median_s"] / best["median_s"],
+                "times_ms": ", ".join(f"{c['name']} {c['median_s'] * 1e3:.3g}" for c in cands),
+            }
+        )
+    return out
+
+
+def summarise(name: str, ds: list[dict]) -> dict:
+    right = sum(d["right"] for d in ds)
+    return {
+        "set": name,
+        "configs": len(ds),
+        "picks_fastest": f"{right} of {len(ds)}",
+        "share": right / max(len(ds), 1),
+        "worst_regret": max((d["regret"] for d in ds), default=1.0),
+        "regret_over_1.10": sum(d["regret"] > 1.10 for d in ds),
+    }
+
+
+COLUMNS = [
+    ("config", "config"),
+    ("pick", "fitted model's pick"),
+    ("fastest", "measured fastest"),
+    ("regret", "regret"),
+    ("times_ms", "measured medians ms"),
+]
+SUMMARY_COLUMNS = [
+    ("set", "configs"),
+    ("model", "time model"),
+    ("picks_fastest", "pick = measured fastest"),
+    ("worst_regret", "worst regret"),
+    ("regret_over_1.10", "regret > 1.10"),
+]
+
+
+def report(payload: dict, write: bool) -> dict:
+    model = fit(payload["fit_rows"])
+    payload["time_model"] = model
+    payload["summary"] = []
+    for model_name, m in (("unfitted", None), ("fitted", model)):
+        for set_name, rows in (("fit", payload["fit_rows"]), ("held out", payload["held_rows"])):
+            payload["summary"].append(
+                {**summarise(set_name, decisions(rows, m)), "model": model_name}
+            )
+    payload["held_decisions"] = decisions(payload["held_rows"], model)
+    print(table(payload["held_decisions"], COLUMNS))
+    print()
+    print(table(payload["summary"], SUMMARY_COLUMNS))
+    if write:
+        from selector.time_model import TIME_MODEL_FILE
+
+        TIME_MODEL_FILE.write_text(
+            json.dumps({f"cpu {k}": v for k, v in model.items()}, indent=1, sort_keys=True) + "\n"
+        )
+        print("wrote", TIME_MODEL_FILE)
+    return payload
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    model = payload["time_model"]
+    for ax, (name, m) in zip(axes, (("unfitted (a=b=c=1)", None), ("fitted", model)), strict=True):
+        for rows, marker, set_name in (
+            (payload["fit_rows"], "o", "fit configs"),
+            (payload["held_rows"], "s", "held-out configs"),
+        ):
+            cands = [c for r in rows for c in r["candidates"]]
+            ax.scatter(
+                [c["median_s"] * 1e3 for c in cands],
+                [predicted(c, m) * 1e3 for c in cands],
+                marker=marker,
+                facecolors="none" if marker == "s" else None,
+                label=set_name,
+            )
+        lo, hi = ax.get_xlim()
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, label="predicted = measured")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="measured median ms (fwd+bwd or forward, 8 simulated CPU devices)",
+            ylabel="time model ms",
+            title=f"time model {name}",
+        )
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument(
+        "--write", action="store_true", help="store the fit in selector/time_model.json"
+    )
+    parser.add_argument("--refit", action="store_true", help="fit again from the JSON's timings")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    args = parser.parse_args()
+    if args.replot:
+        payload = load("decide")
+        print("wrote", *save("decide", payload, plot(payload)))
+        return
+    if args.refit:
+        payload = report(load("decide"), args.write)
+        print("wrote", *save("decide", payload, plot(payload)))
+        return
+    payload = {"rounds": ROUNDS, "fit_rows": [], "held_rows": []}
+    for name, points, sink in (("fit", FIT, "fit_rows"), ("held out", HELD_OUT, "held_rows")):
+        print(f"{name}: {len(points)} configs", flush=True)
+        for i, point in enumerate(points):
+            payload[sink].append(measure(point))
+            row = payload[sink][-1]
+            said = ", ".join(f"{c['name']} {c['median_s'] * 1e3:.3g} ms" for c in row["candidates"])
+            print(f"  [{i + 1}/{len(points)}] {row['label']}: {said}", flush=True)
+    payload = report(payload, args.write)
+    print("wrote", *save("decide", payload, plot(payload)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
