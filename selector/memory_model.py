@@ -91,8 +91,19 @@ def memory_parts(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> di
         "cast": cast,
         "gathered": weights if p.gathered > 1 else 0.0,
         "reduced": weights if p.replicas > 1 and p.train else 0.0,
-        "expert": 3 * p.M * p.H * 4 if strategy is Dispatch.megablox and p.train else 0.0,
+        "expert": expert_accumulators(strategy, exchange, p),
     }
+
+
+def expert_accumulators(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
+    """Float32 weight-gradient accumulators of the grouped matmul's backward: one
+    expert's at a time when gathered (the tiled weight gradient writes each expert
+    once); every local expert's when exchanged (the exchange's backward adds each slot
+    of each round into them, layers.expert_parallel)."""
+    if strategy is not Dispatch.megablox or not p.train:
+        return 0.0
+    experts = p.E_c if exchange is Exchange.all_to_all else 1
+    return experts * 3 * p.M * p.H * 4
 
 
 WEIGHT_PARTS = ("weights", "cast", "gathered", "reduced", "expert")
