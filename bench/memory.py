@@ -28,6 +28,7 @@ from bench.common import (  # noqa: E402
     MEMORY_COLUMNS,
     arguments,
     interleaved,
+    load,
     log_x_axis,
     machine,
     median,
@@ -36,7 +37,7 @@ from bench.common import (  # noqa: E402
     table,
 )
 from bench.flatten_baseline import flatten_block_forward  # noqa: E402
-from bench.points import Point, measure  # noqa: E402
+from bench.points import Point, measure, predicted  # noqa: E402
 from layers.compiled import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
 
 SHAPE = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
@@ -175,9 +176,28 @@ def plot(payload: dict):
     return fig
 
 
+def repredicted(payload: dict) -> dict:
+    """The selector's column again (after a new calibration); XLA's numbers kept."""
+    for r in payload["rows"]:
+        if r["variant"].startswith("flatten"):
+            continue
+        strategy, _, exchange = r["variant"].partition("/")
+        m = predicted(point(strategy, exchange or "gather", r["cp"]))
+        total = r["arguments_mib"] + r["temp_mib"]
+        r["predicted_mib"] = (m["predicted_arguments"] + m["predicted_temp"]) / 2**20
+        r["error"] = f"{r['predicted_mib'] / total - 1:+.1%}"
+    return payload
+
+
 def main() -> None:
-    args = arguments("memory", __doc__, plot, runs={"type": int, "default": 3})
+    repredict = {"action": "store_true", "help": "the selector's column again from the JSON"}
+    args = arguments("memory", __doc__, plot, runs={"type": int, "default": 3}, repredict=repredict)
     if args is None:
+        return
+    if args.repredict:
+        payload = repredicted(load("memory"))
+        print(table(payload["rows"], MEMORY_COLUMNS))
+        print("wrote", *save("memory", payload, plot(payload)))
         return
     rows = []
     for cp in CPS:

@@ -6,7 +6,6 @@ python -m bench.report > /tmp/results.md   # then paste under "## Results"
 from __future__ import annotations
 
 from bench.common import (
-    CALIBRATION_COLUMNS,
     CP_RATIO_COLUMNS,
     EXCHANGE_TIME_COLUMNS,
     GMM_COLUMNS,
@@ -45,26 +44,48 @@ def memory_section(mem: dict) -> list[str]:
     ]
 
 
+def _percent(text: str) -> float:
+    return float(text.rstrip("%")) / 100
+
+
+def calibrate_table(cal: dict) -> tuple[str, int, int]:
+    """(the per-program table: held out beside fit; programs within 15% at their worst
+    held-out point; programs)."""
+    fit = {r["key"]: r for r in cal["fit_summary"]}
+    rows, within = [], 0
+    for h in cal["holdout_summary"]:
+        f = fit.get(h["key"], {})
+        within += _percent(h["worst"]) <= 0.15
+        rows.append(
+            {
+                "program": h["key"],
+                "held": h["points"],
+                "held_median": h["median"],
+                "held_worst": h["worst"],
+                "fit": f.get("points", 0),
+                "fit_worst": f.get("worst", ""),
+            }
+        )
+    columns = [
+        ("program", "program"),
+        ("held", "held-out points"),
+        ("held_median", "held-out median"),
+        ("held_worst", "held-out worst"),
+        ("fit", "fit points"),
+        ("fit_worst", "fit worst"),
+    ]
+    return table(rows, columns), within, len(rows)
+
+
 def calibrate_section(cal: dict) -> list[str]:
+    """One compiler's memory-model table (bench.calibrate --target ...)."""
+    text, within, programs = calibrate_table(cal)
     return [
-        "### The selector's memory model (`python -m bench.calibrate --write`)\n",
-        f"Temporaries are hand counts of {len(cal['parts'])} parts scaled by coefficients "
-        f"fitted on {len(cal['rows'])} compiled programs (8 simulated CPU devices; "
-        f"{len(cal['fit_shapes'])} shapes varying tokens, emb, hidden, E (to 256), k (to 10) "
-        "and the capacity factor; 6 meshes; float32, bfloat16 and mixed), then checked on "
-        f"{len(cal['holdout_rows'])} programs the fit never saw "
-        f"({len(cal['holdout_shapes'])} other shapes, among them "
-        "issue 11's emb 192 / hidden 384 / E=12 / k=3 / capacity factor 1.5 point, on "
-        "meshes the fit did not use). Arguments and outputs need no fit: their worst error "
-        f"over every point is {cal['arguments_outputs_worst_error']:.2%}. `@cpu_half` is "
-        "half precision on XLA:CPU, which converts part of a bfloat16 program to float32.\n",
-        "Held out:\n",
-        table(cal["holdout_summary"], CALIBRATION_COLUMNS),
+        f"{cal['compiler']}, {len(cal['rows'])} fitted and {len(cal['holdout_rows'])} "
+        f"held-out programs; {within} of {programs} programs within 15% at their worst "
+        "held-out point:\n",
+        text,
         "",
-        "Fit:\n",
-        table(cal["fit_summary"], CALIBRATION_COLUMNS),
-        "",
-        "![calibrate](bench/results/calibrate.png)\n",
     ]
 
 
@@ -138,7 +159,10 @@ def main() -> None:
     out = []
     for study, section in (
         ("memory", memory_section),
+        ("calibrate_tpu", calibrate_section),
+        ("calibrate_gpu", calibrate_section),
         ("calibrate_cpu_train", calibrate_section),
+        ("calibrate_cpu_prefill_decode", calibrate_section),
         ("scale", scale_section),
         ("train_memory", train_section),
         ("speed", speed_section),
