@@ -248,16 +248,17 @@ def plot(payload: dict):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     model = payload["time_model"]
     for ax, (name, m) in zip(axes, (("unfitted (a=b=c=1)", None), ("fitted", model)), strict=True):
-        for rows, marker, set_name in (
-            (payload["fit_rows"], "o", "fit configs"),
-            (payload["held_rows"], "s", "held-out configs"),
+        for rows, marker, colour, set_name in (
+            (payload["fit_rows"], "o", "C0", "fit configs"),
+            (payload["held_rows"], "s", "C1", "held-out configs (hollow)"),
         ):
             cands = [c for r in rows for c in r["candidates"]]
             ax.scatter(
                 [c["median_s"] * 1e3 for c in cands],
                 [predicted(c, m) * 1e3 for c in cands],
                 marker=marker,
-                facecolors="none" if marker == "s" else None,
+                facecolors="none" if marker == "s" else colour,
+                edgecolors=colour,
                 label=set_name,
             )
         lo, hi = ax.get_xlim()
