@@ -87,7 +87,8 @@ class Layout:
     Example (8 simulated CPU devices; tests/conftest.py sets them up):
       >>> import jax, selector, layers
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
-      ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"])
+      ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25",
+      ...                         "expert_exchange=all_to_all"])
       >>> plan = selector.resolve(cfg)
       >>> layout = layers.Layout.from_plan(plan, layers.mesh_for_plan(plan, jax.devices()[:8]))
       >>> layout.x_BSM  # tokens: batch over fsdp, sequence over context

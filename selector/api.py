@@ -67,7 +67,9 @@ def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
       ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"])
       >>> plan = selector.resolve(cfg)
       >>> plan.strategy.value, plan.placement.exchange.value
-      ('megablox', 'all_to_all')
+      ('megablox', 'gather')
+      >>> plan.per_device.tokens_per_device  # 2 sequences of 2048 over fsdp=2 x context=4
+      512.0
     """
     plan, findings = analyse_any(cfg, mesh)
     if plan is None or errors_in(findings):
