@@ -208,14 +208,14 @@ class MoEBlock(nnx.Module):
       >>> from flax import nnx
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
       ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25",
-      ...                         "max_target_length=256", "dtype=float32"])
+      ...                         "max_target_length=64", "dtype=float32"])
       >>> plan = selector.resolve(cfg)
       >>> block = layers.MoEBlock(cfg, mesh=layers.mesh_for_plan(plan, jax.devices()[:8]),
       ...                         plan=plan, rngs=nnx.Rngs(0))
-      >>> x = jnp.ones((2, 256, cfg.base_emb_dim))
+      >>> x = jnp.ones((2, 64, cfg.base_emb_dim))
       >>> y, stats = block(x)
       >>> y.shape, int(stats["dropped_tokens"]), int(stats["tokens_per_expert"].sum())
-      ((2, 256, 64), 0, 1024)
+      ((2, 64, 64), 0, 256)
     """
 
     def __init__(

@@ -74,7 +74,7 @@ def runnable_configs(draw) -> Config:
     )
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=11, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runnable_configs())
 def test_every_passing_config_builds_and_runs(jax_cpu8, cfg):
     try:

@@ -17,7 +17,7 @@ SMALL = [
     "ici_context_parallelism=4",
     "ici_fsdp_parallelism=2",
     "per_device_batch_size=0.25",
-    "max_target_length=1024",
+    "max_target_length=256",
 ]
 
 
