@@ -8,7 +8,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,22 +53,11 @@ def block_overrides(
 
 
 def interleaved(fns: dict, runs: int = 5) -> dict[str, list[float]]:
-    """Wall times of several jitted calls measured in alternation: each is warmed up
-    (compiled) once, then every round times each of them once, in a rotating order, so
-    a slow spell of this shared machine hits them alike. {name: [seconds per run]}."""
-    import jax
+    """`layers.measured.interleaved` (measure mode's timer), imported when called so jax
+    starts after `use_cpu_devices`."""
+    from layers.measured import interleaved as timed
 
-    for fn, args in fns.values():
-        jax.block_until_ready(fn(*args))
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(runs):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn, args = fns[name]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return times
+    return timed(fns, runs)
 
 
 def median(values) -> float:

@@ -38,18 +38,26 @@ def _step(config: selector.Config, strategy, exchange):
     return fn, (block.weights(), x)
 
 
-def time_candidates(config: selector.Config, keys, rounds: int) -> dict:
-    """{(strategy, exchange): [seconds per step, one per round]} for each candidate."""
-    steps = {key: _step(config, *key) for key in keys}
-    for fn, args in steps.values():  # compile and warm up outside the timed rounds
+def interleaved(fns: dict, runs: int = 5) -> dict:
+    """Wall times of several jitted calls measured in alternation: each is warmed up
+    (compiled) once, then every round times each of them once, in a rotating order, so
+    a slow spell of a shared machine hits them alike. {name: [seconds per run]}."""
+    for fn, args in fns.values():
         jax.block_until_ready(fn(*args))
-    times: dict = {key: [] for key in keys}
-    for _ in range(max(rounds, 1)):
-        for key, (fn, args) in steps.items():
+    times: dict = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(runs):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, args = fns[name]
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            times[key].append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
     return times
 
 
-__all__ = ["time_candidates"]
+def time_candidates(config: selector.Config, keys, rounds: int) -> dict:
+    """{(strategy, exchange): [seconds per step, one per round]} for each candidate."""
+    return interleaved({key: _step(config, *key) for key in keys}, max(rounds, 1))
+
+
+__all__ = ["interleaved", "time_candidates"]

@@ -213,11 +213,12 @@ def analysed(config):
 
     if config.measure:
         from .measure_mode import check as measure
+        from .mesh import build_mesh_view
         from .targets import prepare_process
 
         if config.hardware.platform == "cpu":  # simulated devices, set before jax starts
-            plan, _ = analyse_any(config)
-            prepare_process("cpu", plan.mesh.num_devices if plan is not None else 1)
+            mesh, _ = build_mesh_view(config, None)
+            prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
         doing = "time the candidates on this machine"
         return _or_usage("measure", doing, lambda: measure(config, progress=progress))
     if not config.compile:

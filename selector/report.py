@@ -7,6 +7,7 @@ import textwrap
 
 from .config import Config
 from .findings import Finding, errors_in
+from .measure_mode import MeasureCheck
 from .per_device import is_whole
 from .plan import DispatchPlan
 
@@ -143,12 +144,9 @@ def render_text(
             ),
             _wrap(f"expert weights: {plan.expert_weights}", "  "),
         ]
-    if compiled is not None:  # a compile check, or a measure check (it has .measured)
-        lines += (
-            render_measured(compiled)
-            if hasattr(compiled, "measured")
-            else render_compiled(compiled)
-        )
+    if compiled is not None:  # a compile check, or a measure check
+        measured = isinstance(compiled, MeasureCheck)
+        lines += render_measured(compiled) if measured else render_compiled(compiled)
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
     for f in findings:
         lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
@@ -183,5 +181,7 @@ def render_json(
         "measured": None,
     }
     if compiled is not None:
-        payload["measured" if hasattr(compiled, "measured") else "compiled"] = compiled.as_dict()
+        payload["measured" if isinstance(compiled, MeasureCheck) else "compiled"] = (
+            compiled.as_dict()
+        )
     return json.dumps(payload, sort_keys=True)

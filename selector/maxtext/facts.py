@@ -50,12 +50,13 @@ SHARDING_KEYS_NOT_MODELLED = {
 # effect lives now.
 RETIRED_KEYS = {
     "expert_shard_attention_option": (
-        "MaxText 0.2.5's config has no expert_shard_attention_option (it refuses unknown "
-        "keys; only its deprecated pyconfig still reads it, where 'context' counted the "
-        "expert devices as context parallelism in attention). In 0.2.5 that layout is "
-        "custom_mesh_and_rule=ep-as-cp (the expert axis acts as context parallelism outside "
-        "the MoE block's all-to-all); custom_mesh_and_rule=cp-as-ep folds the context devices "
-        "into the expert axis instead."
+        "MaxText 0.2.5's config has no expert_shard_attention_option (read in its "
+        "configs/types.py, which refuses unknown keys; only its configs/pyconfig_deprecated.py "
+        "still reads it, where 'context' counted the expert devices as context parallelism "
+        "in attention). In 0.2.5 that layout is custom_mesh_and_rule=ep-as-cp (its file "
+        "says the expert axis acts as context parallelism outside the MoE block's "
+        "all-to-all); custom_mesh_and_rule=cp-as-ep rests the experts over context and "
+        "expert instead. Read in MaxText's files, not run."
     ),
 }
 
@@ -66,15 +67,17 @@ def placement_in_maxtext(placement, mesh: MeshView) -> str:
     exchange over the expert axis in its layers/moe.py; not run here)."""
     if placement.exchange is not Exchange.all_to_all:
         return (
-            "in MaxText: its default with ici_expert_parallelism=1 (the expert weights "
-            "rest split over fsdp and are all-gathered)"
+            "in MaxText: its default with ici_expert_parallelism=1 (base.yml's rules rest "
+            "the expert weights split over fsdp, which its grouped matmul all-gathers; read "
+            "in MaxText 0.2.5's files, not run)"
         )
     group = tuple(placement.group_axes)
     size = mesh.product(group)
     if group == ("expert",):
         return (
             f"in MaxText: ici_expert_parallelism={size} (its grouped matmul exchanges rows "
-            "over the expert axis by ragged all-to-all)"
+            "over the expert axis by ragged all-to-all; read in MaxText 0.2.5's "
+            "layers/moe.py, not run)"
         )
     if "context" in group:
         return (
@@ -97,9 +100,9 @@ def sharding_not_modelled(raw: dict, base: dict) -> list[Finding]:
                 warning(
                     "MAXTEXT_SHARDING_NOT_MODELLED",
                     key,
-                    f"{key}={raw[key]} (base.yml: {base[key]}) {what} in MaxText; this check "
-                    "does not model it: its placements, memory and traffic assume base.yml's "
-                    "value.",
+                    f"{key}={raw[key]} (base.yml: {base[key]}) {what} in MaxText (read in "
+                    "MaxText 0.2.5's configs/types.py, not run); this check does not model "
+                    "it: its placements, memory and traffic assume base.yml's value.",
                 )
             )
     return found

@@ -101,6 +101,10 @@ OWN_KEYS = (
     "time_calibration",
     "time_model",
 )
+# Of OWN_KEYS, those read by code of their own (the chip prices the hardware, the
+# dispatch and mode have MaxText defaults, the rest are enums); every other is taken as
+# it is, coerced to its setting's type.
+OWN_KEYS_READ_APART = ("chip", "dispatch", "mode", "output", "expert_exchange", "expert_group")
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
     "custom_mesh_and_rule",
@@ -322,19 +326,7 @@ def from_maxtext(
     for theirs, ours in DIRECT_KEYS.items():
         if theirs in raw and raw[theirs] is not None:
             values[ours] = coerce(theirs, raw[theirs], _FIELD_TYPES[ours])
-    for key in (
-        *PARALLELISM_KEYS,
-        "num_devices",
-        "allow_local_batch_inflation",
-        "expert_buffer_factor",
-        "optimizer_bytes_per_param",
-        "compile",
-        "measure",
-        "measure_rounds",
-        "measure_save",
-        "time_calibration",
-        "time_model",
-    ):
+    for key in (*PARALLELISM_KEYS, *(k for k in OWN_KEYS if k not in OWN_KEYS_READ_APART)):
         if key in raw and raw[key] is not None:
             values[key] = coerce(key, raw[key], _FIELD_TYPES[key])
     if values.get("num_experts", 1) <= 1 and values.get("base_moe_mlp_dim", -1) <= 0:
