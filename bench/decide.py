@@ -15,17 +15,32 @@ the fastest's). The unfitted model (a = b = c = 1, d = 0) is reported beside it.
     python -m bench.decide            # time, fit, write bench/results/decide.json and .png
     python -m bench.decide --write    # also store the fit in selector/time_model.json
     python -m bench.decide --refit    # fit again from the JSON's timings
+    python -m bench.decide --from-counts --write   # TPU/GPU constants from XLA's counts
+    python -m bench.decide --live h200 --write     # on a machine with GPUs (or TPUs)
+
+TPU and GPU have no timed programs here. Until they do, their constants come from the
+compilers' own counts (`--from-counts`): per (mode, program), the HBM term is scaled by
+the median of XLA's bytes accessed over the cost model's HBM bytes, and the compute term
+by the median of XLA's FLOPs over the model's where XLA counts all the work (the einsum
+paths; the grouped matmul's loops and kernels it does not count in full), over
+the points `bench.calibrate --target tpu|gpu` compiled (bench/results/calibrate_*.json).
+On a machine with accelerators, `--live HARDWARE` times the same configs on its own
+devices (every device on the data axis unless a config's mesh has as many) and fits
+that platform's constants from the timings, which replace the counted ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from bench.common import use_cpu_devices
 
-use_cpu_devices(8)
+LIVE = "--live" in sys.argv  # time on this machine's own devices, not simulated CPUs
+if not LIVE:
+    use_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
@@ -71,15 +86,21 @@ HELD_OUT = [
 ]
 
 
-def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
-    """One sequence per batch shard (so tokens per device = seq / cp), dropless."""
+def overrides(
+    mesh: dict, experts, top_k, seq, emb, hidden, mode, hardware: str = "cpu", devices: int = 8
+) -> list[str]:
+    """One sequence per batch shard (so tokens per device = seq / cp), dropless. On
+    `devices` other than the mesh's product every device goes to data."""
+    if math.prod(mesh.values()) != devices:
+        mesh = {"data": devices}
     shards = 1
     for axis in ("data", "fsdp", "expert"):
         shards *= mesh.get(axis, 1)
     return [
         "model=tiny",
         "mesh=cpu_8",
-        "hardware=cpu",
+        f"hardware={hardware}",
+        f"num_devices={devices}",
         "ici_fsdp_parallelism=1",
         *(f"ici_{axis}_parallelism={n}" for axis, n in mesh.items()),
         f"num_experts={experts}",
@@ -87,10 +108,10 @@ def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
         f"max_target_length={seq}",
         f"base_emb_dim={emb}",
         f"base_moe_mlp_dim={hidden}",
-        f"per_device_batch_size={shards / 8}",
+        f"per_device_batch_size={shards / devices}",
         f"mode={mode}",
         "capacity_factor=-1",
-        "dtype=float32",
+        f"dtype={'float32' if hardware == 'cpu' else 'bfloat16'}",
         "context_parallel_load_balance=false",
         "time_model=false",  # the cost model's own terms, before any fit
     ]
@@ -102,15 +123,18 @@ def label(point) -> str:
     return f"{mode} [{axes}] E={experts} k={top_k} seq={seq} M={emb} H={hidden}"
 
 
-def measure(point) -> dict:
+def measure(point, hardware: str = "cpu") -> dict:
     """Every timeable candidate of one config: its cost-model terms and step times."""
+    import jax
+
     import selector
     from layers.measured import time_candidates
     from selector.cost import program_of
     from selector.measure_mode import timeable
     from selector.memory_model import calibration_key
 
-    config = selector.to_config(selector.compose(overrides(*point)))
+    devices = jax.device_count() if LIVE else 8
+    config = selector.to_config(selector.compose(overrides(*point, hardware, devices)))
     plan = selector.resolve(config)
     keys = [
         (c.strategy, c.exchange)
@@ -134,8 +158,9 @@ def measure(point) -> dict:
                 "median_s": float(np.median(times[key])),
             }
         )
+    shown = point if math.prod(point[0].values()) == devices else ({"data": devices}, *point[1:])
     return {
-        "label": label(point),
+        "label": label(shown),
         "estimated_pick": plan.chosen_estimate.name,
         "candidates": candidates,
     }
@@ -220,6 +245,17 @@ SUMMARY_COLUMNS = [
 ]
 
 
+def write_constants(platform: str, model: dict, source: str) -> None:
+    """Store one platform's constants in selector/time_model.json, keeping the others'."""
+    from selector.time_model import TIME_MODEL_FILE
+
+    stored = json.loads(TIME_MODEL_FILE.read_text())
+    stored = {k: v for k, v in stored.items() if k.split(" ", 1)[0] != platform}
+    stored.update({f"{platform} {k}": {**v, "source": source} for k, v in model.items()})
+    TIME_MODEL_FILE.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    print("wrote", TIME_MODEL_FILE)
+
+
 def report(payload: dict, write: bool) -> dict:
     model = fit(payload["fit_rows"])
     payload["time_model"] = model
@@ -234,13 +270,54 @@ def report(payload: dict, write: bool) -> dict:
     print()
     print(table(payload["summary"], SUMMARY_COLUMNS))
     if write:
-        from selector.time_model import TIME_MODEL_FILE
-
-        TIME_MODEL_FILE.write_text(
-            json.dumps({f"cpu {k}": v for k, v in model.items()}, indent=1, sort_keys=True) + "\n"
+        platform = payload.get("platform", "cpu")
+        write_constants(
+            platform,
+            model,
+            f"timed: bench.decide on {payload.get('devices', '8 simulated CPU devices')}",
         )
-        print("wrote", TIME_MODEL_FILE)
     return payload
+
+
+# Programs whose FLOPs XLA's analysis counts in full: the einsum paths. The grouped
+# matmul's are not: XLA:GPU's and XLA:CPU's analysis counts its tiled loop body once,
+# XLA:TPU's counts the Pallas kernel by the cost estimate it carries, and the exchange
+# runs its slots in a loop (counted once on every platform). Those keep the model's FLOPs.
+COUNTED_FLOPS = ("dense", "subgroup_capacity")
+COUNT_COLUMNS = [
+    ("key", "program"),
+    ("points", "compiled points"),
+    ("compute", "compute x"),
+    ("hbm", "HBM x"),
+    ("flops_counted", "FLOPs counted by XLA"),
+]
+
+
+def constants_from_counts(platform: str) -> tuple[dict, list[dict]]:
+    """(constants per `mode program`, table rows) from bench.calibrate's compiled points
+    for `platform`: medians of XLA's counts over the cost model's terms."""
+    rows = load(f"calibrate_{platform}")["rows"]
+    model, out = {}, []
+    for key in sorted({r["key"] for r in rows}):
+        sel = [r for r in rows if r["key"] == key and r.get("flops") and r.get("predicted_hbm")]
+        if not sel:
+            continue
+        program = key.split(" ", 1)[1]
+        counted = program.split()[-1] in COUNTED_FLOPS
+        compute = float(np.median([r["flops"] / r["predicted_flops"] for r in sel]))
+        compute = compute if counted else 1.0
+        hbm = float(np.median([r["bytes_accessed"] / r["predicted_hbm"] for r in sel]))
+        model[program] = {"compute": compute, "hbm": hbm, "network": 1.0, "step": 0.0}
+        out.append(
+            {
+                "key": key,
+                "points": len(sel),
+                "compute": f"{compute:.2f}",
+                "hbm": f"{hbm:.2f}",
+                "flops_counted": "yes" if counted else "no: the model's FLOPs (x 1)",
+            }
+        )
+    return model, out
 
 
 def plot(payload: dict):
@@ -266,7 +343,8 @@ def plot(payload: dict):
         ax.set(
             xscale="log",
             yscale="log",
-            xlabel="measured median ms (fwd+bwd or forward, 8 simulated CPU devices)",
+            xlabel="measured median ms (fwd+bwd or forward, "
+            f"{payload.get('devices', '8 simulated CPU devices')})",
             ylabel="time model ms",
             title=f"time model {name}",
         )
@@ -282,7 +360,37 @@ def main() -> None:
     )
     parser.add_argument("--refit", action="store_true", help="fit again from the JSON's timings")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument(
+        "--from-counts",
+        action="store_true",
+        help="TPU and GPU constants from XLA's counts of bench.calibrate's compiled points",
+    )
+    parser.add_argument(
+        "--live",
+        metavar="HARDWARE",
+        help="time on this machine's own devices with this hardware preset (h200, v5p, ...)",
+    )
+    parser.add_argument(
+        "--configs",
+        type=int,
+        metavar="N",
+        help="only the first N fit and N held-out configs (a quick try of a machine)",
+    )
     args = parser.parse_args()
+    if args.from_counts:
+        counted = {}
+        for platform in ("tpu", "gpu"):
+            model, rows = constants_from_counts(platform)
+            print(table(rows, COUNT_COLUMNS))
+            counted[platform] = rows
+            if args.write:
+                write_constants(
+                    platform, model, f"XLA:{platform.upper()}'s counts (bench.calibrate)"
+                )
+        payload = load("decide")
+        payload["from_counts"] = counted
+        save("decide", payload, plot(payload))
+        return
     if args.replot:
         payload = load("decide")
         print("wrote", *save("decide", payload, plot(payload)))
@@ -291,16 +399,32 @@ def main() -> None:
         payload = report(load("decide"), args.write)
         print("wrote", *save("decide", payload, plot(payload)))
         return
+    hardware = args.live or "cpu"
     payload = {"rounds": ROUNDS, "fit_rows": [], "held_rows": []}
+    if args.live:
+        import jax
+
+        from selector import compose, to_config
+
+        platform = to_config(compose([f"hardware={hardware}"])).hardware.platform
+        devices = jax.devices()
+        if devices[0].platform != platform:
+            sys.exit(
+                f"--live {hardware} is a {platform} preset, but this machine's jax "
+                f"devices are {devices[0].platform}; pick the preset of these devices."
+            )
+        payload.update(platform=platform, devices=f"{len(devices)} x {devices[0].device_kind}")
+    name_of = "decide" if not args.live else f"decide_{payload['platform']}"
     for name, points, sink in (("fit", FIT, "fit_rows"), ("held out", HELD_OUT, "held_rows")):
+        points = points[: args.configs] if args.configs else points
         print(f"{name}: {len(points)} configs", flush=True)
         for i, point in enumerate(points):
-            payload[sink].append(measure(point))
+            payload[sink].append(measure(point, hardware))
             row = payload[sink][-1]
             said = ", ".join(f"{c['name']} {c['median_s'] * 1e3:.3g} ms" for c in row["candidates"])
             print(f"  [{i + 1}/{len(points)}] {row['label']}: {said}", flush=True)
     payload = report(payload, args.write)
-    print("wrote", *save("decide", payload, plot(payload)))
+    print("wrote", *save(name_of, payload, plot(payload)))
 
 
 if __name__ == "__main__":

@@ -61,25 +61,25 @@ def weights_for_compute(w: ExpertWeights, layout: Layout, dtype) -> ExpertWeight
     (the router computes in float32), and so do the small bias and shared gate.
     """
     experts, embed = layout.gathered_experts, layout.embed
+    repeated = layout.repeated_axes
 
     def cast(a):
         return None if a is None else a.astype(dtype)
 
+    def g(a, axes, dim):
+        return None if a is None else gather(a, axes, dim, repeated)
+
     return ExpertWeights(
-        gate_ME=gather(w.gate_ME, embed, 0),
-        wi_0_EMH=gather(gather(cast(w.wi_0_EMH), embed, 1), experts, 0),
-        wi_1_EMH=gather(gather(cast(w.wi_1_EMH), embed, 1), experts, 0),
-        wo_EHM=gather(gather(cast(w.wo_EHM), embed, 2), experts, 0),
+        gate_ME=g(w.gate_ME, embed, 0),
+        wi_0_EMH=g(g(cast(w.wi_0_EMH), embed, 1), experts, 0),
+        wi_1_EMH=g(g(cast(w.wi_1_EMH), embed, 1), experts, 0),
+        wo_EHM=g(g(cast(w.wo_EHM), embed, 2), experts, 0),
         bias_E=w.bias_E,
-        shared_wi_0_MS=_gather_opt(cast(w.shared_wi_0_MS), embed, 0),
-        shared_wi_1_MS=_gather_opt(cast(w.shared_wi_1_MS), embed, 0),
-        shared_wo_SM=_gather_opt(cast(w.shared_wo_SM), embed, 1),
-        shared_gate_M1=_gather_opt(w.shared_gate_M1, embed, 0),
+        shared_wi_0_MS=g(cast(w.shared_wi_0_MS), embed, 0),
+        shared_wi_1_MS=g(cast(w.shared_wi_1_MS), embed, 0),
+        shared_wo_SM=g(cast(w.shared_wo_SM), embed, 1),
+        shared_gate_M1=g(w.shared_gate_M1, embed, 0),
     )
-
-
-def _gather_opt(a, axes, dim):
-    return None if a is None else gather(a, axes, dim)
 
 
 def weight_specs(layout: Layout, w: ExpertWeights) -> ExpertWeights:

@@ -111,10 +111,13 @@ class Layout:
             return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
         view, placed = plan.mesh, plan.placement
+        # At decode the sequence is one new token: the sequence axes (the decode axis
+        # context_autoregressive, the only one allowed there) hold it repeated.
+        splits_sequence = plan.per_device.seq_len > 1
         return cls(
             mesh,
             keep(view.batch_axes),
-            keep(view.sequence_axes),
+            keep(view.sequence_axes) if splits_sequence else (),
             keep(placed.experts_axes),
             keep(placed.embed_axes),
             keep(placed.hidden_axes),
@@ -131,6 +134,13 @@ class Layout:
     def token_axes(self) -> tuple[str, ...]:
         """Axes that split the tokens: statistics are summed over exactly these."""
         return self.batch + self.sequence
+
+    @property
+    def repeated_axes(self) -> tuple[str, ...]:
+        """Axes the weights rest on whose devices hold the same tokens (at decode, the
+        sequence axes: the one new token is not split)."""
+        tokens = set(self.token_axes)
+        return tuple(a for a in (*self.experts, *self.embed) if a not in tokens)
 
     @property
     def gathered_experts(self) -> tuple[str, ...]:
@@ -179,8 +189,27 @@ class Layout:
             )
 
 
-def gather(x, axes: tuple[str, ...], dim: int):
+def gather(x, axes: tuple[str, ...], dim: int, repeated: tuple[str, ...] = ()):
     """Inside shard_map: all-gather the `dim` of a shard over `axes` (in the order the
     PartitionSpec names them). Its transpose is a reduce-scatter, so a gradient comes
-    back split exactly as the weight rests."""
-    return jax.lax.all_gather(x, axes, axis=dim, tiled=True) if axes else x
+    back split exactly as the weight rests.
+
+    `repeated` names axes whose devices hold the same tokens (the decode axis at
+    decode): over those the gathered copy is typed invariant, so what is computed from
+    it is too, and its transpose takes a slice instead of summing equal gradients. The
+    axes are then gathered in runs from the minor end, which concatenates the shards in
+    the same order as one gather over all of them."""
+    if not axes:
+        return x
+    if not set(axes) & set(repeated):
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    runs: list[list[str]] = []
+    for a in axes:
+        if runs and (a in repeated) == (runs[-1][0] in repeated):
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    for run in reversed(runs):
+        to = "invarying" if run[0] in repeated else "varying"
+        x = jax.lax.all_gather(x, tuple(run), axis=dim, tiled=True, to=to)
+    return x

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import rules, targets
 from .config import Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
-from .findings import Finding, Severity, errors_in, warning
+from .findings import Finding, Fix, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
 from .per_device import PerDevice, per_device
 from .placement import WeightPlacement, describe
@@ -121,19 +122,25 @@ def analyse(
     and the config analysed again; it is kept when this finding is gone and no error
     appears that was not there before."""
     plan, findings = _analyse(cfg, live_shape)
-    findings = [_verified(cfg, live_shape, f, findings) for f in findings]
+    verified = [_verified(cfg, live_shape, f, findings) for f in findings]
+    findings = [f for f, _ in verified]
+    if not any(clears_all for _, clears_all in verified):
+        findings = _with_joint_fixes(cfg, live_shape, findings)
     if plan is not None:
         plan = dataclasses.replace(plan, findings=tuple(findings))
     return plan, findings
 
 
-def _verified(cfg: Config, live_shape, finding: Finding, before: list[Finding]) -> Finding:
+def _verified(
+    cfg: Config, live_shape, finding: Finding, before: list[Finding]
+) -> tuple[Finding, bool]:
     """The finding with the fixes that work, ranked by what a device then holds (the
     chosen candidate's state at rest plus its block's peak, after the fix): the lightest
     first, each with that number; a fix that leaves a device over the chip is dropped
-    when another fix fits."""
+    when another fix fits. Also whether one of its fixes leaves no error at all."""
     old_errors = {f.code for f in errors_in(before)}
     good = []
+    clears_all = False
     for fix_ in finding.fixes:
         try:
             fixed = cfg.apply(fix_.overrides)
@@ -144,10 +151,49 @@ def _verified(cfg: Config, live_shape, finding: Finding, before: list[Finding]) 
         if finding.code not in {f.code for f in after} and not new_errors:
             est = plan.chosen_estimate if plan is not None else None
             good.append((fix_, est))
+            clears_all = clears_all or not errors_in(after)
     if any(est is not None and est.fits for _, est in good):
         good = [(f, est) for f, est in good if est is None or est.fits]
     good.sort(key=lambda pair: pair[1].device_bytes if pair[1] is not None else float("inf"))
-    return finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good))
+    return finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good)), clears_all
+
+
+# How many of each error's fixes (lightest first) a joint fix draws from, and for at
+# most how many errors at once (the merges tried grow as choices ** errors).
+JOINT_FIX_CHOICES = 3
+JOINT_FIX_MAX_ERRORS = 3
+
+
+def _with_joint_fixes(cfg: Config, live_shape, findings: list[Finding]) -> list[Finding]:
+    """Where two or more errors stand and no single fix clears them all, one fix per
+    error merged into one set of overrides that leaves no error at all (the lightest
+    such set, by what a device then holds), offered first on every error it clears."""
+    errors = errors_in(findings)
+    if not 2 <= len(errors) <= JOINT_FIX_MAX_ERRORS or any(not f.fixes for f in errors):
+        return findings
+    best = None
+    for combo in itertools.product(*(f.fixes[:JOINT_FIX_CHOICES] for f in errors)):
+        merged: dict = {}
+        if any(merged.setdefault(k, v) != v for fix_ in combo for k, v in fix_.overrides):
+            continue  # two fixes set one knob differently
+        try:
+            fixed = cfg.apply(tuple(merged.items()))
+        except (TypeError, ValueError):
+            continue
+        plan, after = _analyse(fixed, live_shape)
+        if plan is None or errors_in(after):
+            continue
+        held = plan.chosen_estimate.device_bytes
+        if best is None or held < best[0]:
+            best = (held, merged, plan.chosen_estimate)
+    if best is None:
+        return findings
+    _, merged, est = best
+    codes = " and ".join(f.code for f in errors)
+    joint = _with_device_note(Fix(tuple(merged.items()), f"clears {codes} together"), est)
+    return [
+        f.with_fixes((joint, *f.fixes)) if f.severity is Severity.error else f for f in findings
+    ]
 
 
 def _with_device_note(fix_, est: Estimate | None):
@@ -216,7 +262,7 @@ def _analyse(
     findings += rules.capacity_settings(cfg, dev, strategy)
     findings += rules.capacity_too_small(cfg, dev, strategy)
     findings += rules.capacity_costly(cfg, strategy, chosen, estimates)
-    findings += rules.memory_fits(cfg, dev, chosen)
+    findings += rules.memory_fits(cfg, mesh, dev, chosen)
     findings += rules.decode_gathers_weights(
         cfg, chosen, lambda: _experts_split(cfg, mesh, live_shape)
     )

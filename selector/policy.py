@@ -18,7 +18,7 @@ An explicit `dispatch=` or `expert_exchange=` is always honoured (and validated)
 
 from __future__ import annotations
 
-from .config import Config, Dispatch, Exchange, ExpertGroup
+from .config import Config, Dispatch, Exchange, ExpertGroup, Mode
 from .cost import Estimate
 from .mesh import MeshView
 from .placement import WeightPlacement, exchanged, expert_group, gathered
@@ -41,8 +41,10 @@ def exchange_backend(cfg: Config) -> str:
 
 
 def fold_sequence(cfg: Config, mesh: MeshView) -> bool:
-    """Whether the sequence axes join the expert group (auto: when E divides evenly)."""
-    if cfg.expert_group is ExpertGroup.expert:
+    """Whether the sequence axes join the expert group (auto: when E divides evenly).
+    Never at decode: the one new token per sequence is not split by them, and a group
+    axis must split the tokens or the same rows would travel twice."""
+    if cfg.expert_group is ExpertGroup.expert or cfg.mode is Mode.decode:
         return False
     if cfg.expert_group is ExpertGroup.expert_and_sequence:
         return True

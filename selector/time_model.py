@@ -1,8 +1,17 @@
 """The fitted time model: the cost model's compute, HBM and network terms scaled by
-constants fitted on timed programs, per (compiler family, mode, program), plus a fixed
-cost per step (`python -m bench.decide --write` fits them on XLA:CPU; time_model.json
-beside this module). A key without a fit keeps the terms as they are (a = b = c = 1,
-d = 0): so far only XLA:CPU programs have been timed here, no TPU or GPU."""
+constants per (compiler family, mode, program), plus a fixed cost per step
+(time_model.json beside this module; each entry says its `source`).
+
+- XLA:CPU: fitted on timed programs (`python -m bench.decide --write`).
+- XLA:TPU and XLA:GPU: no TPU or GPU has timed a program here yet, so their constants
+  come from the compilers' own counts (`python -m bench.decide --from-counts --write`):
+  the HBM term scaled by XLA's bytes accessed over the model's HBM bytes, the compute
+  term by XLA's FLOPs over the model's where XLA counts all the work, medians over the
+  points bench.calibrate compiled. `bench.decide --live HARDWARE --write` on a machine
+  with those chips replaces them with constants fitted on timed programs.
+
+A key without an entry keeps the terms as they are (a = b = c = 1, d = 0).
+"""
 
 from __future__ import annotations
 

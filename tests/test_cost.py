@@ -121,7 +121,9 @@ def test_decode_that_gathers_every_expert_says_so_with_both_numbers():
     assert [x.render() for x in f.fixes] == ["ici_fsdp_parallelism=1 ici_expert_parallelism=64"]
     fixed = selector.resolve(typed(*common, *f.fixes[0].render().split()))
     assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in fixed.findings}
-    assert fixed.chosen_estimate.time_s < plan.chosen_estimate.time_s / 10
+    # 42 ms against 4.8 with XLA:TPU's counted HBM constants (the exchange's is 30x at
+    # decode, the gathered grouped matmul's 8.7x); the rule itself asks for 2x.
+    assert fixed.chosen_estimate.time_s < plan.chosen_estimate.time_s / 5
     assert "gradients" not in plan.expert_weights
     prefill = typed(*common[:2], "mode=prefill", "per_device_batch_size=1", *common[4:])
     assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in selector.validate(prefill)}
@@ -129,9 +131,10 @@ def test_decode_that_gathers_every_expert_says_so_with_both_numbers():
 
 def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     """The README's case (Qwen3-Next, cp=4, per_device_batch_size=1 on v5p-128): moving
-    the context devices to data keeps the global batch but replicates the weights the
-    context axis was sharding; lowering the batch leaves a device lighter. The lighter
-    fix comes first, and each says what a device then holds."""
+    the context devices to fsdp keeps the global batch and the weights split; moving
+    them to data keeps the global batch but replicates the weights the context axis was
+    sharding; lowering the batch leaves a device lightest. Lightest first, each saying
+    what a device then holds, the replicating move last at over 3x the others."""
     cfg = typed(
         "model=qwen3_next_80b_a3b",
         "mesh=v5p_128",
@@ -140,8 +143,9 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
         "max_target_length=8192",
     )
     (f,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
-    first, second = f.fixes
-    assert first.render() == "per_device_batch_size=0.25"
-    assert "ici_context_parallelism=1" in second.render()
+    lower, to_fsdp, to_data = f.fixes
+    assert lower.render() == "per_device_batch_size=0.25"
+    assert to_fsdp.render() == "ici_fsdp_parallelism=64 ici_context_parallelism=1"
+    assert "ici_data_parallelism=4" in to_data.render()
     held = [float(x.note.split("a device then holds ")[1].split(" GiB")[0]) for x in f.fixes]
-    assert held[0] < held[1] / 2
+    assert held == sorted(held) and held[1] * 3 < held[2]

@@ -14,6 +14,8 @@ from layer_helpers import (
 )
 from reference import reference_choices, reference_keep, reference_moe
 
+from layers.compiled import block_forward
+
 BATCH, SEQ = 8, 32
 STRATEGIES = ["dense", "megablox", "subgroup_capacity"]
 MESHES = {
@@ -83,6 +85,25 @@ def test_statistics_are_global_across_cp(jax_cpu8, strategy):
         np.testing.assert_allclose(results[0][key], results[1][key], rtol=1e-6, atol=0)
         np.testing.assert_allclose(results[1][key], ref_stats[key], rtol=1e-6, atol=0)
     assert float(np.sum(results[1]["tokens_per_expert"])) == 2 * 64 * 2
+
+
+@pytest.mark.parametrize("strategy", ["dense", "megablox"])
+def test_decode_on_the_decode_axis_repeats_the_token_and_matches(jax_cpu8, strategy):
+    """At decode the context_autoregressive axis (it shards the KV cache) holds the one
+    new token repeated: the block runs (weights rest split over it too), every copy of
+    the output matches the reference, and the statistics count each token once."""
+    model = build(strategy, {"fsdp": 4, "context_autoregressive": 2}, BATCH, SEQ, "mode=decode")
+    assert model.layout.sequence == () and "context_autoregressive" in model.layout.embed
+    assert not model.wi_0[...].sharding.is_fully_replicated
+    x, _ = inputs(BATCH, 1)
+    x = jax.device_put(x, model.layout.named(model.layout.x_BSM))
+    y, stats = jax.jit(block_forward(model))(model.weights(), x)
+    ry, rstats = reference_moe(host_weights(model), x, model.spec)
+    assert_close(y, ry, what="decode output")
+    for shard in y.addressable_shards:  # each device's copy of its tokens, not one of them
+        assert_close(shard.data, np.asarray(ry)[shard.index], what=f"copy on {shard.device}")
+    np.testing.assert_allclose(stats["tokens_per_expert"], rstats["tokens_per_expert"], rtol=0)
+    assert float(np.sum(stats["tokens_per_expert"])) == BATCH * model.spec.top_k
 
 
 # bfloat16 keeps 8 bits of mantissa (relative rounding 2**-9 = 0.2%); the block rounds

@@ -53,7 +53,10 @@ def runnable_configs(draw) -> Config:
         if dispatch is Dispatch.subgroup_capacity
         else draw(st.sampled_from([-1.0, -1.0, 1.5]))
     )
-    modes = [Mode.train, Mode.prefill] + ([Mode.decode] if cp == 1 else [])
+    # Decode takes cp only on the decode axis (the others are an error there).
+    modes = [Mode.train, Mode.prefill] + (
+        [Mode.decode] if cp == sizes["context_autoregressive"] else []
+    )
     return Config(
         **{f"ici_{a}_parallelism": s for a, s in sizes.items()},
         dcn_data_parallelism=1,

@@ -347,11 +347,14 @@ def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
     (memory,) = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
     rendered = [x.render() for x in memory.fixes]
     assert "weight_dtype=bfloat16" in rendered and len(rendered) == len(ours.fixes)
-    assert all(r.startswith("weight_dtype=") for r in rendered)
     assert "weight_dtype=bfloat16" in memory.message and "param_dtype" not in memory.message
+    # The other fixes add slices, in MaxText's own keys (num_slices, dcn_*_parallelism).
+    chips = [r for r in rendered if not r.startswith("weight_dtype=")]
+    assert chips and all("num_slices=" in r and "dcn_fsdp_parallelism=" in r for r in chips)
     args = [f"maxtext_config={base}", *over]
     assert main(args) == 1
     assert main([*args, "weight_dtype=bfloat16"]) == 0
+    assert main([*args, *chips[0].split()]) == 0
     assert main([*args, "param_dtype=bfloat16"]) == 2
 
 

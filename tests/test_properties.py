@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import selector
 from selector import Config, ConfigError, Dispatch, Mode
 from selector.cli import main
-from selector.config import MESH_AXES
+from selector.config import MESH_AXES, Hardware
 
 axis_size = st.sampled_from([-1, 0, 1, 1, 1, 2, 2, 3, 4, 8, 16, 1 << 40])
 odd_float = st.one_of(
@@ -55,8 +55,10 @@ def configs(draw) -> Config:
 
 
 @st.composite
-def plausible_configs(draw) -> Config:
-    """Mostly valid configs, so the plan's own properties are exercised often."""
+def plausible_configs(draw, small_chips: bool = False) -> Config:
+    """Mostly valid configs, so the plan's own properties are exercised often. With
+    `small_chips`, the chip's memory is sometimes smaller than the tiny block needs, so
+    the memory error and its fixes are exercised too."""
     sizes = {a: draw(st.sampled_from([1, 1, 2, 4])) for a in MESH_AXES}
     n = math.prod(sizes.values())
     cp = sizes["context"] * sizes["context_usp_ulysses"] * sizes["context_autoregressive"]
@@ -78,6 +80,9 @@ def plausible_configs(draw) -> Config:
         dispatch=draw(st.sampled_from(list(Dispatch))),
         allow_local_batch_inflation=True,
         dtype="bfloat16",
+        hardware=Hardware(
+            memory_gib=draw(st.sampled_from([16.0, 16.0, 0.003, 0.01])) if small_chips else 16.0
+        ),
     )
 
 
@@ -278,26 +283,63 @@ def apply_rendered(cfg: Config, rendered: str) -> Config:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(configs(), plausible_configs()))
+@given(st.one_of(configs(), plausible_configs(small_chips=True)))
 def test_every_proposed_fix_passes_the_next_check(cfg):
     """Apply each fix a finding offers: that finding is gone and no new error appears.
     The fixes come lightest first: what a device then holds, as each fix's note says,
-    never decreases down the list, and none is over the chip while another fits."""
+    never decreases down the list, and none is over the chip while another fits. A
+    joint fix (offered first where two errors stand) leaves no error at all. Every
+    error names a knob the config has."""
     before = selector.validate(cfg)
     errors_before = {f.code for f in before if f.severity.value == "error"}
+    knobs = {f.name for f in dataclasses.fields(Config)}
+    chip_gib = cfg.hardware.memory_gib
     for finding in before:
+        if finding.severity.value == "error":
+            assert finding.setting.split(".")[0] in knobs, (finding.code, finding.setting)
+        single = [f for f in finding.fixes if not f.note.startswith("clears ")]
         held = [
             float(m.group(1))
-            for fix in finding.fixes
+            for fix in single
             for m in [re.search(r"a device then holds ([\d.e+]+) GiB", fix.note)]
             if m
         ]
         assert held == sorted(held), (finding.code, held)
+        if any(h <= chip_gib for h in held):
+            assert all(h <= chip_gib * 1.001 for h in held), (finding.code, held, chip_gib)
         for fix in finding.fixes:
             after = selector.validate(apply_rendered(cfg, fix.render()))
             assert finding.code not in {f.code for f in after}, (finding.code, fix.render())
-            new = {f.code for f in after if f.severity.value == "error"} - errors_before
-            assert not new, (finding.code, fix.render(), new)
+            errors_after = {f.code for f in after if f.severity.value == "error"}
+            assert not errors_after - errors_before, (finding.code, fix.render(), errors_after)
+            if fix not in single:
+                assert not errors_after, (finding.code, fix.render(), errors_after)
+
+
+def test_two_errors_get_a_joint_fix_that_clears_both():
+    """E=12 on expert=8 with a fractional batch: no single fix clears both errors; the
+    joint fix, applied as a user would, leaves none, and it keeps expert parallelism
+    (the experts' own fix moves the freed devices to fsdp, not to replication)."""
+    cfg = selector.to_config(
+        selector.compose(
+            [
+                "model=tiny",
+                "mesh=cpu_8",
+                "num_experts=12",
+                "ici_expert_parallelism=8",
+                "ici_fsdp_parallelism=1",
+                "per_device_batch_size=0.3",
+            ]
+        )
+    )
+    found = {f.code: f for f in selector.validate(cfg)}
+    assert {"GLOBAL_BATCH_FRACTIONAL", "EXPERTS_NOT_DIVISIBLE"} <= set(found)
+    joint = found["EXPERTS_NOT_DIVISIBLE"].fixes[0]
+    assert joint == found["GLOBAL_BATCH_FRACTIONAL"].fixes[0]
+    assert joint.note.startswith("clears GLOBAL_BATCH_FRACTIONAL and EXPERTS_NOT_DIVISIBLE")
+    fixed = apply_rendered(cfg, joint.render())
+    assert not [f for f in selector.validate(fixed) if f.severity.value == "error"]
+    assert fixed.ici_expert_parallelism == 4 and fixed.ici_fsdp_parallelism == 2
 
 
 def test_plan_numbers_for_a_known_point():
@@ -317,7 +359,8 @@ def test_plan_numbers_for_a_known_point():
 @pytest.mark.parametrize("mode", list(Mode))
 def test_replication_factor_by_mode(mode):
     """Devices holding the same tokens: the tensor pair always; at decode the one new
-    token per sequence cannot be split, so cp is an error there rather than a repeat."""
+    token per sequence cannot be split: the training-time context axes are an error,
+    the decode axis (context_autoregressive) repeats the token, with a warning."""
     cfg = Config(
         num_devices=8,
         ici_context_parallelism=2 if mode is not Mode.decode else 1,
@@ -333,3 +376,8 @@ def test_replication_factor_by_mode(mode):
     if mode is Mode.decode:
         with pytest.raises(ConfigError, match="DECODE_CONTEXT_PARALLEL"):
             selector.resolve(cfg.replace(ici_context_parallelism=2))
+        decode_axis = cfg.replace(ici_context_autoregressive_parallelism=2)
+        plan = selector.resolve(decode_axis)
+        consistent(plan, decode_axis)
+        assert plan.per_device.replication == 4
+        assert "DECODE_TOKEN_REPEATED" in {f.code for f in plan.warnings}

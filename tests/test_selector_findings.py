@@ -156,7 +156,7 @@ CASES = [
             "model=qwen3_next_80b_a3b",
             "mesh=v5p_128",
             "capacity_factor=1.25",
-            "max_target_length=8192",
+            "max_target_length=16384",
         ),
         (
             "model=qwen3_next_80b_a3b",
@@ -177,6 +177,18 @@ CASES = [
         "error",
         ("mode=decode", "ici_context_parallelism=2", "per_device_batch_size=0.5"),
         ("mode=decode", "per_device_batch_size=1"),
+    ),
+    (
+        "DECODE_TOKEN_REPEATED",
+        "warning",
+        ("mode=decode", "ici_context_autoregressive_parallelism=2", "per_device_batch_size=1"),
+        (
+            "mode=decode",
+            "ici_context_autoregressive_parallelism=2",
+            "per_device_batch_size=1",
+            "axis_rules.batch=[data,fsdp,expert,context_autoregressive]",
+            "axis_rules.sequence=[context,context_usp_ulysses]",
+        ),
     ),
     (
         "AXIS_RULE_UNKNOWN_AXIS",

@@ -435,7 +435,7 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
     for key, value in fix_.overrides:
         if key in MAXTEXT_SPELLING:
             spelled.append((MAXTEXT_SPELLING[key], value))
-        elif key in OWN_KEYS or key in PARALLELISM_KEYS:
+        elif key in OWN_KEYS or key in PARALLELISM_KEYS or key == "num_slices":
             spelled.append((key, value))
         else:
             return None

@@ -8,7 +8,7 @@ from ..config import Config, Mode
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
 from ..per_device import PerDevice, is_whole
-from .moves import largest_divisor_at_most, move
+from .moves import move
 
 
 def fmt(x: float) -> str:
@@ -86,9 +86,11 @@ def _sharing_axes(mesh: MeshView) -> list[str]:
     return [a for a, s in mesh.sizes if s > 1 and a not in mesh.batch_axes]
 
 
-def _remap(cfg: Config, mesh: MeshView, dev: PerDevice):
-    """Move `local batch` devices' worth from the sharing axes to the batch: the same
-    global batch, one sequence per batch shard."""
+def _remaps(cfg: Config, mesh: MeshView, dev: PerDevice) -> list:
+    """Move `local batch` devices' worth from the sharing axes to a batch axis: the same
+    global batch, one sequence per batch shard. To fsdp (the weights stay split over
+    those devices) and to data (they are replicated there); ranked later by what a
+    device then holds."""
     remaining = round(dev.local_batch)
     new = {}
     for axis in sorted(_sharing_axes(mesh), key=mesh.size, reverse=True):
@@ -96,16 +98,20 @@ def _remap(cfg: Config, mesh: MeshView, dev: PerDevice):
         if g > 1:
             new[axis] = mesh.size(axis) // g
             remaining //= g
-    if remaining != 1 or not mesh.batch_axes:
-        return None
-    to = "data" if "data" in mesh.batch_axes else mesh.batch_axes[0]
-    overrides = move(cfg, mesh, new, to=to)
-    if not overrides:
-        return None
-    return fix(
-        f"the same global batch of {fmt(dev.global_batch)}, one sequence per batch shard",
-        **dict(overrides),
-    )
+    if remaining != 1:
+        return []
+    fixes = []
+    for to in (a for a in ("fsdp", "data") if a in mesh.batch_axes):
+        overrides = move(cfg, mesh, new, to=to)
+        if overrides:
+            fixes.append(
+                fix(
+                    f"the same global batch of {fmt(dev.global_batch)}, one sequence per "
+                    f"batch shard, the devices moved to {to}",
+                    **dict(overrides),
+                )
+            )
+    return fixes
 
 
 def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
@@ -121,7 +127,7 @@ def local_batch_inflation(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[F
         why.append(f"context parallelism cp={dev.cp} ({cp_axes}) splits each sequence")
     if others:
         why.append(f"{others} keeps the same tokens on its devices")
-    fixes = [f for f in (_remap(cfg, mesh, dev),) if f]
+    fixes = _remaps(cfg, mesh, dev)
     new_gb = dev.global_batch / dev.local_batch
     fixes.append(
         fix(
@@ -208,10 +214,16 @@ def weights_divide_axes(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Fin
                 product *= mesh.size(a)
         fixes = [fix("weights rest unsplit over the others", **{f"axis_rules__{role}": keep})]
         if len(axes) == 1:
-            smaller = largest_divisor_at_most(size, mesh.size(axes[0]))
-            moved = move(cfg, mesh, {axes[0]: smaller})
-            if moved:
-                fixes.append(fix("moves devices to data", **dict(moved)))
+            # The axis shrinks to the largest size both it and the dimension divide; its
+            # freed devices go where the weights stay split (fsdp shards their embed dim),
+            # or to data, which replicates them (the fixes are ranked by what a device
+            # then holds).
+            axis = axes[0]
+            smaller = math.gcd(size, mesh.size(axis))
+            for to in ("fsdp", "data") if role != "embed" else ("data",):
+                moved = move(cfg, mesh, {axis: smaller}, to=to) if to != axis else None
+                if moved:
+                    fixes.append(fix(f"{axis}={smaller}, its other devices to {to}", **dict(moved)))
         findings.append(
             error(
                 code,
@@ -253,27 +265,77 @@ def _knob_of(cfg: Config, axis: str) -> str:
     return f"ici_{axis}_parallelism"
 
 
+# MaxText's decode axis: it shards the KV cache along the sequence in attention. The MoE
+# block sees one new token per sequence, so on it that axis can only repeat the token or,
+# by the axis rules, split the batch.
+DECODE_AXIS = "context_autoregressive"
+
+
 def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """At decode a sequence axis cannot split the one new token: an error for the
+    training-time context axes, a warning for the decode axis (it exists to shard the
+    KV cache, and only the MoE block's copy of the token is repeated on it)."""
     if cfg.mode is not Mode.decode or dev.cp <= 1:
         return []
     axes = [a for a in mesh.sequence_axes if mesh.size(a) > 1]
+    findings = []
+    if DECODE_AXIS in axes:
+        findings += _decode_token_repeated(cfg, mesh, dev)
+        axes.remove(DECODE_AXIS)
+    if not axes:
+        return findings
+    cp = mesh.product(axes)
     knobs = ", ".join(f"{_knob_of(cfg, a)}={mesh.size(a)}" for a in axes)
     moved = move(cfg, mesh, {a: 1 for a in axes})
     fixes = []
     if moved:
-        shards = dev.batch_shards * dev.cp
+        shards = dev.batch_shards * cp
         overrides = dict(moved)
         note = "moves the sequence devices to data"
         if not is_whole(dev.global_batch / shards):
             overrides["per_device_batch_size"] = shards / dev.num_devices
             note += f", one sequence per batch shard (global batch {shards})"
         fixes.append(fix(note, **overrides))
-    return [
+    return findings + [
         error(
             "DECODE_CONTEXT_PARALLEL",
             _knob_of(cfg, axes[0]),
-            f"mode=decode feeds one token per sequence, which cp={dev.cp} ({knobs}) cannot "
-            f"split: the MoE block's sequence shards would each hold the same token.",
+            f"mode=decode feeds one token per sequence, which cp={cp} ({knobs}) cannot "
+            f"split: the MoE block's sequence shards would each hold the same token. At "
+            f"decode, {DECODE_AXIS} is the axis that shards the KV cache.",
+            fixes,
+        )
+    ]
+
+
+def _decode_token_repeated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """The decode axis leaves the MoE block's token repeated on its devices unless the
+    batch rule names it too."""
+    size = mesh.size(DECODE_AXIS)
+    knob = _knob_of(cfg, DECODE_AXIS)
+    fixes = []
+    if is_whole(dev.global_batch / (dev.batch_shards * size)):
+        fixes.append(
+            fix(
+                "the MoE block splits the batch over the decode axis; attention keeps it",
+                axis_rules__batch=[*mesh.batch_axes, DECODE_AXIS],
+                axis_rules__sequence=[a for a in mesh.sequence_axes if a != DECODE_AXIS],
+            )
+        )
+    return [
+        warning(
+            "DECODE_TOKEN_REPEATED",
+            "axis_rules.batch",
+            f"{knob}={size} shards the KV cache at decode, but the MoE block gets one new "
+            f"token per sequence, so its {size} devices each route and compute the same "
+            f"{fmt(dev.tokens_per_device)} token(s). Naming {DECODE_AXIS} in "
+            "axis_rules.batch splits the batch over them in the MoE block"
+            + (
+                "."
+                if fixes
+                else f" (the global batch of {fmt(dev.global_batch)} would "
+                f"need to divide over {dev.batch_shards * size} shards)."
+            ),
             fixes,
         )
     ]

@@ -47,8 +47,3 @@ def move(cfg: Config, mesh: MeshView, new: dict[str, int], to: str = "data"):
         if getattr(cfg, knob) != target[axis]:
             overrides.append((knob, target[axis]))
     return tuple(overrides)
-
-
-def largest_divisor_at_most(n: int, limit: int) -> int:
-    """The largest d <= limit with n % d == 0 (1 at least)."""
-    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)

@@ -7,10 +7,11 @@ import math
 from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
 from ..cost import Estimate
 from ..findings import Finding, error, fix, warning
-from ..mesh import MeshView
+from ..mesh import MeshView, fill_tier
 from ..per_device import PerDevice, capacity
 from ..placement import expert_group
 from .layout import fmt, shown_axes
+from .moves import move
 
 DROPLESS = (Dispatch.megablox, Dispatch.dense, Dispatch.mlp)
 DROP_WARNING_FRACTION = 0.01  # warn when uniform routing alone would drop more than this
@@ -131,7 +132,7 @@ def capacity_too_small(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[
     ]
 
 
-def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
+def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> list[Finding]:
     """What one device holds: every MoE layer's weights, gradients and optimizer state
     at rest, plus the block's peak (input, output, temporaries), against the chip."""
     if est.fits:
@@ -144,15 +145,17 @@ def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
         fix(param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
+        *_more_slices(cfg, mesh),
+        *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
     ]
     return [
         error(
             "MEMORY_EXCEEDED",
             # The knob behind the larger share: the weights' storage, or the batch.
             "param_dtype" if state_bigger else "per_device_batch_size",
-            f"dispatch={est.name} needs about {est.device_bytes / gib:.1f} GiB per device, more "
+            f"dispatch={est.name} needs about {est.device_bytes / gib:.3g} GiB per device, more "
             f"than the {cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}: "
-            f"{est.state_bytes / gib:.1f} GiB for {cfg.num_moe_layers} MoE layers at rest "
+            f"{est.state_bytes / gib:.3g} GiB for {cfg.num_moe_layers} MoE layers at rest "
             f"({weights / gib:.3g} GiB of weights each"
             + (
                 f", with their gradients and {cfg.optimizer_bytes_per_param:g} optimizer bytes "
@@ -160,7 +163,7 @@ def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
                 if est.memory.outputs > est.input_bytes
                 else ""
             )
-            + f") and {block / gib:.1f} GiB for one block's activations and temporaries; "
+            + f") and {block / gib:.3g} GiB for one block's activations and temporaries; "
             + (
                 "the weights' state dominates: shard it over more devices."
                 if state_bigger
@@ -170,6 +173,66 @@ def memory_fits(cfg: Config, dev: PerDevice, est: Estimate) -> list[Finding]:
             fixes,
         )
     ]
+
+
+def _fewer_tokens(cfg: Config, mesh: MeshView) -> list:
+    """Fewer tokens a device: 2x or 4x the context devices (taken from data, else
+    fsdp), or a 2x or 4x smaller per_device_batch_size."""
+    fixes = []
+    for part in (2, 4):
+        for source in ("data", "fsdp"):
+            moved = move(cfg, mesh, {"context": mesh.size("context") * part}, to=source)
+            if moved:
+                # The batch shards shrink with the source axis, so the per-device batch
+                # shrinks too, or the local batch would grow (LOCAL_BATCH_INFLATION).
+                fixes.append(
+                    fix(
+                        f"cp {part}x, the devices taken from {source}, the global batch 1/{part}",
+                        **dict(moved),
+                        per_device_batch_size=cfg.per_device_batch_size / part,
+                    )
+                )
+                break
+    for part in (2, 4):
+        fixes.append(
+            fix(
+                f"1/{part} of the tokens a device holds; the global batch shrinks with it",
+                per_device_batch_size=cfg.per_device_batch_size / part,
+            )
+        )
+    return fixes
+
+
+def _more_slices(cfg: Config, mesh: MeshView) -> list:
+    """More chips: 2x and 4x the slices (hosts), the new ones splitting the weights
+    over dcn fsdp, every other dcn size kept; the per-device batch stays, so the
+    global batch grows with the chips. Configs only: a live mesh is what it is."""
+    if mesh.source != "config" or cfg.num_slices < 1:
+        return []
+    dcn = fill_tier(cfg, "dcn", cfg.num_slices, [])
+    if dcn is None:
+        return []
+    fixes = []
+    for factor in (2, 4):
+        slices = cfg.num_slices * factor
+        # A dcn -1 fill is written out, so it is not recomputed on the bigger machine.
+        filled = {
+            f"dcn_{a}_parallelism": n for a, n in dcn.items() if cfg.parallelism("dcn", a) == -1
+        }
+        changed = {
+            "num_devices": mesh.num_devices * factor,
+            "num_slices": slices,
+            **filled,
+            "dcn_fsdp_parallelism": dcn["fsdp"] * factor,
+        }
+        fixes.append(
+            fix(
+                f"{factor}x the chips: {slices} slices of {mesh.num_devices // cfg.num_slices} "
+                f"{cfg.hardware.name}, weights split over the new ones",
+                **changed,
+            )
+        )
+    return fixes
 
 
 def capacity_costly(cfg: Config, strategy: Dispatch, chosen: Estimate, estimates) -> list[Finding]:
