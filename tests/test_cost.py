@@ -149,3 +149,30 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     assert "ici_data_parallelism=4" in to_data.render()
     held = [float(x.note.split("a device then holds ")[1].split(" GiB")[0]) for x in f.fixes]
     assert held == sorted(held) and held[1] * 3 < held[2]
+
+
+def test_tpu_time_terms_take_the_constants_counted_on_xla_tpu():
+    """A TPU preset's time terms are the raw terms scaled by the constants stored for its
+    (mode, program), which say they came from XLA:TPU's counts (no TPU timed them), and
+    time_model=false gives the raw terms back."""
+    from selector.memory_model import calibration_key
+    from selector.time_model import TIME_MODEL
+
+    over = (
+        "model=qwen3_next_80b_a3b",
+        "mesh=v5p_128",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=8192",
+    )
+    counted = selector.resolve(typed(*over))
+    raw = selector.resolve(typed(*over, "time_model=false"))
+    for c, r in zip(counted.candidates, raw.candidates, strict=True):
+        key = calibration_key(c.strategy, c.exchange, typed(*over))
+        coef = TIME_MODEL[key]
+        assert coef["source"].startswith("XLA:TPU's counts"), key
+        compute, hbm, network = r.estimate.time_parts
+        assert c.estimate.time_parts == pytest.approx(
+            (coef["compute"] * compute + coef["step"], coef["hbm"] * hbm, coef["network"] * network)
+        )
+        assert coef["hbm"] > 1  # XLA counts every fused op's operands: more than the model
