@@ -213,15 +213,21 @@ def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], 
 
 
 def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estimate] | None:
-    """The same config with the ici fsdp devices holding experts instead (the expert
-    axis grown by fsdp's slice part, fsdp set to 1), and what the selector would choose
-    there; None when there is no such split or it has errors. Configs only: a live mesh
-    is what it is."""
-    fsdp = mesh.size("fsdp") // mesh.dcn_product(("fsdp",))
-    if live_shape is not None or fsdp <= 1:
+    """The same config with the fsdp devices holding experts instead (in each tier, ici
+    and dcn: the expert axis grown by fsdp's part there, fsdp set to 1), and what the
+    selector would choose there; None when there is no such split or it has errors.
+    Configs only: a live mesh is what it is."""
+    if live_shape is not None or mesh.size("fsdp") <= 1:
         return None
-    expert = fsdp * mesh.size("expert") // mesh.dcn_product(("expert",))
-    overrides = {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": expert}
+    overrides = {}
+    for tier, dcn in (("ici", False), ("dcn", True)):
+        fsdp, expert = (
+            (mesh.dcn_product((a,)) if dcn else mesh.size(a) // mesh.dcn_product((a,)))
+            for a in ("fsdp", "expert")
+        )
+        if fsdp > 1:
+            overrides[f"{tier}_fsdp_parallelism"] = 1
+            overrides[f"{tier}_expert_parallelism"] = fsdp * expert
     plan, findings = _analyse(cfg.replace(**overrides), None)
     if plan is None or errors_in(findings):
         return None

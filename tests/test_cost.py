@@ -151,6 +151,37 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     assert held == sorted(held) and held[1] * 3 < held[2]
 
 
+def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too():
+    """DeepSeek-V3 decode on 2 hosts x 8 H200 with fsdp over both tiers: the gather
+    crosses hosts every step. Splitting the experts over the ici fsdp devices alone
+    would still gather over the hosts; the warning's fix moves both tiers' fsdp to
+    expert, and the exchange it gives is over 100x cheaper."""
+    common = (
+        "model=deepseek_v3",
+        "mesh=h200_8",
+        "mode=decode",
+        "per_device_batch_size=2",
+        "max_target_length=8192",
+        "param_dtype=bfloat16",
+        "num_devices=16",
+        "num_slices=2",
+        "dcn_fsdp_parallelism=2",
+        "dcn_data_parallelism=1",
+    )
+    plan = selector.resolve(typed(*common))
+    (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
+    (fix,) = f.fixes
+    assert dict(fix.overrides) == {
+        "ici_fsdp_parallelism": 1,
+        "ici_expert_parallelism": 8,
+        "dcn_fsdp_parallelism": 1,
+        "dcn_expert_parallelism": 2,
+    }
+    fixed = selector.resolve(typed(*common, *fix.render().split()))
+    assert fixed.chosen_estimate.exchange is Exchange.all_to_all
+    assert fixed.chosen_estimate.time_s * 100 < plan.chosen_estimate.time_s
+
+
 def test_tpu_time_terms_take_the_constants_counted_on_xla_tpu():
     """A TPU preset's time terms are the raw terms scaled by the constants stored for its
     (mode, program), which say they came from XLA:TPU's counts (no TPU timed them), and
