@@ -63,10 +63,18 @@ def maxtext_dir():
                 pytest.skip(f"the package index cannot be reached to fetch maxtext: {exc}")
             raise RuntimeError(f"pip download maxtext=={MAXTEXT_VERSION} failed: {got.stderr}")
         wanted = ("maxtext/configs/", "maxtext/layers/", "maxtext/models/")
-        staging = cache / f".maxtext-{MAXTEXT_VERSION}.partial"
+        # One staging folder per process: parallel test workers may fetch at once.
+        staging = cache / f".maxtext-{MAXTEXT_VERSION}.partial-{os.getpid()}"
         with zipfile.ZipFile(wheels[0]) as wheel:
             for name in wheel.namelist():
                 if name.startswith(wanted):
                     wheel.extract(name, staging)
-        staging.rename(root)  # complete or absent: no half-extracted cache
+        try:
+            staging.rename(root)  # complete or absent: no half-extracted cache
+        except OSError:  # another worker's copy landed first: keep it
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (root / "maxtext" / "configs" / "base.yml").is_file():
+                raise
     return root / "maxtext"
