@@ -31,7 +31,6 @@ that platform's constants from the timings, which replace the counted ones.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -44,7 +43,7 @@ if not LIVE:
 
 import numpy as np  # noqa: E402
 
-from bench.common import load, pyplot, save, table  # noqa: E402
+from bench.common import arguments, load, pyplot, save, table  # noqa: E402
 
 ROUNDS = 5
 TERMS = ("compute", "hbm", "network", "step")
@@ -89,10 +88,7 @@ HELD_OUT = [
 def overrides(
     mesh: dict, experts, top_k, seq, emb, hidden, mode, hardware: str = "cpu", devices: int = 8
 ) -> list[str]:
-    """One sequence per batch shard (so tokens per device = seq / cp), dropless. On
-    `devices` other than the mesh's product every device goes to data."""
-    if math.prod(mesh.values()) != devices:
-        mesh = {"data": devices}
+    """One sequence per batch shard (so tokens per device = seq / cp), dropless."""
     shards = 1
     for axis in ("data", "fsdp", "expert"):
         shards *= mesh.get(axis, 1)
@@ -117,6 +113,13 @@ def overrides(
     ]
 
 
+def on_devices(point, devices: int):
+    """The point as `devices` devices run it: its own mesh when that has as many, else
+    every device on data."""
+    mesh, *rest = point
+    return (mesh if math.prod(mesh.values()) == devices else {"data": devices}, *rest)
+
+
 def label(point) -> str:
     mesh, experts, top_k, seq, emb, hidden, mode = point
     axes = ",".join(f"{a}={n}" for a, n in mesh.items())
@@ -134,6 +137,7 @@ def measure(point, hardware: str = "cpu") -> dict:
     from selector.memory_model import calibration_key
 
     devices = jax.device_count() if LIVE else 8
+    point = on_devices(point, devices)
     config = selector.to_config(selector.compose(overrides(*point, hardware, devices)))
     plan = selector.resolve(config)
     keys = [
@@ -158,9 +162,8 @@ def measure(point, hardware: str = "cpu") -> dict:
                 "median_s": float(np.median(times[key])),
             }
         )
-    shown = point if math.prod(point[0].values()) == devices else ({"data": devices}, *point[1:])
     return {
-        "label": label(shown),
+        "label": label(point),
         "estimated_pick": plan.chosen_estimate.name,
         "candidates": candidates,
     }
@@ -354,29 +357,31 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument(
-        "--write", action="store_true", help="store the fit in selector/time_model.json"
+    args = arguments(
+        "decide",
+        __doc__,
+        plot,
+        write={"action": "store_true", "help": "store the fit in selector/time_model.json"},
+        refit={"action": "store_true", "help": "fit again from the JSON's timings"},
+        **{
+            "from-counts": {
+                "action": "store_true",
+                "help": "TPU and GPU constants from XLA's counts of bench.calibrate's "
+                "compiled points",
+            }
+        },
+        live={
+            "metavar": "HARDWARE",
+            "help": "time on this machine's own devices with this hardware preset (h200, v5p)",
+        },
+        configs={
+            "type": int,
+            "metavar": "N",
+            "help": "only the first N fit and N held-out configs (a quick try of a machine)",
+        },
     )
-    parser.add_argument("--refit", action="store_true", help="fit again from the JSON's timings")
-    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
-    parser.add_argument(
-        "--from-counts",
-        action="store_true",
-        help="TPU and GPU constants from XLA's counts of bench.calibrate's compiled points",
-    )
-    parser.add_argument(
-        "--live",
-        metavar="HARDWARE",
-        help="time on this machine's own devices with this hardware preset (h200, v5p, ...)",
-    )
-    parser.add_argument(
-        "--configs",
-        type=int,
-        metavar="N",
-        help="only the first N fit and N held-out configs (a quick try of a machine)",
-    )
-    args = parser.parse_args()
+    if args is None:  # --replot
+        return
     if args.from_counts:
         counted = {}
         for platform in ("tpu", "gpu"):
@@ -389,10 +394,6 @@ def main() -> None:
                 )
         payload = load("decide")
         payload["from_counts"] = counted
-        save("decide", payload, plot(payload))
-        return
-    if args.replot:
-        payload = load("decide")
         print("wrote", *save("decide", payload, plot(payload)))
         return
     if args.refit:

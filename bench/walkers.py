@@ -21,17 +21,22 @@ import numpy as np
 from jax import lax
 
 from bench.common import arguments, interleaved, machine, median, pyplot, save, table
-from layers.grouped_matmul import tile_classes, tile_plan, tiled_forward, tiled_weight_grad
+
+# The alternative walks are built from the library's own pieces (its flat schedule, tail
+# window and tile products, private there), so only the walk differs from what it runs.
+from layers.grouped_matmul import (
+    _dot,
+    _flat_schedule,
+    _tail_window,
+    _xt_dy,
+    tile_classes,
+    tile_plan,
+    tiled_forward,
+    tiled_weight_grad,
+)
 
 # (routed rows, K, N, experts)
 SHAPES = [(8192, 256, 512, 16), (8192, 1024, 1024, 16), (16384, 512, 512, 64)]
-
-
-def _flat_order(counts_E, max_tiles: int):
-    ends = jnp.cumsum(counts_E)
-    tile = jnp.arange(max_tiles)
-    expert = jnp.minimum(jnp.searchsorted(ends, tile, side="right"), counts_E.shape[0] - 1)
-    return expert, tile - (ends - counts_E)[expert], ends[-1]
 
 
 def flat_weight_grad(x_RK, dy_RN, group_sizes_E):
@@ -44,29 +49,25 @@ def flat_weight_grad(x_RK, dy_RN, group_sizes_E):
     def add_tile(dw, e, start, size, keep=None):
         x = lax.dynamic_slice_in_dim(x_RK, start, size)
         x = x if keep is None else jnp.where(keep, x, 0)
-        g = lax.dot_general(
-            x, lax.dynamic_slice_in_dim(dy_RN, start, size), (((0,), (0,)), ((), ()))
-        )
+        g = _xt_dy(x, lax.dynamic_slice_in_dim(dy_RN, start, size))
         return lax.dynamic_update_index_in_dim(
             dw, lax.dynamic_index_in_dim(dw, e, 0, keepdims=False) + g, e, 0
         )
 
     dw = jnp.zeros((num_experts, k, dy_RN.shape[1]), jnp.float32)
     for tile, count_E, first_E in full:
-        expert, within, total = _flat_order(count_E, rows // tile + 1)
+        expert, within, total = _flat_schedule(count_E, rows // tile + 1)
 
         def body(i, dw, tile=tile, first_E=first_E, expert=expert, within=within):
             e = expert[i]
             return add_tile(dw, e, first_E[e] + within[i] * tile, tile)
 
         dw = lax.fori_loop(0, total, body, dw)
-    expert, _, total = _flat_order(tail_E, num_experts)
+    expert, _, total = _flat_schedule(tail_E, num_experts)
 
     def tail_body(i, dw):
         e = expert[i]
-        start = jnp.minimum(tail_first_E[e], rows - tail)
-        row = start + jnp.arange(tail)
-        keep = ((row >= tail_first_E[e]) & (row < ends_E[e]))[:, None]
+        start, keep = _tail_window(tail_first_E[e], ends_E[e], rows, tail)
         return add_tile(dw, e, start, tail, keep)
 
     return lax.fori_loop(0, total, tail_body, dw).astype(x_RK.dtype)
@@ -81,9 +82,7 @@ def per_expert_forward(x_RK, w_EKN, group_sizes_E):
     full, (tail, tail_E, tail_first_E), ends_E = tile_plan(group_sizes_E, tile_classes(rows))
 
     def write(y, e, start, size, keep=None):
-        out = lax.dot_general(
-            lax.dynamic_slice_in_dim(x_RK, start, size), w_EKN[e], (((1,), (0,)), ((), ()))
-        )
+        out = _dot(lax.dynamic_slice_in_dim(x_RK, start, size), w_EKN[e], False)
         if keep is not None:
             out = jnp.where(keep, out, lax.dynamic_slice_in_dim(y, start, size))
         return lax.dynamic_update_slice_in_dim(y, out, start, 0)
@@ -100,9 +99,8 @@ def per_expert_forward(x_RK, w_EKN, group_sizes_E):
             )
 
         def tail_tile(y):
-            start = jnp.minimum(tail_first_E[e], rows - tail)
-            row = start + jnp.arange(tail)
-            return write(y, e, start, tail, ((row >= tail_first_E[e]) & (row < ends_E[e]))[:, None])
+            start, keep = _tail_window(tail_first_E[e], ends_E[e], rows, tail)
+            return write(y, e, start, tail, keep)
 
         return lax.cond(tail_E[e] > 0, tail_tile, lambda y: y, y)
 

@@ -219,15 +219,13 @@ def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estim
     Configs only: a live mesh is what it is."""
     if live_shape is not None or mesh.size("fsdp") <= 1:
         return None
+    dcn = {a: mesh.dcn_product((a,)) for a in ("fsdp", "expert")}
+    ici = {a: mesh.size(a) // dcn[a] for a in dcn}
     overrides = {}
-    for tier, dcn in (("ici", False), ("dcn", True)):
-        fsdp, expert = (
-            (mesh.dcn_product((a,)) if dcn else mesh.size(a) // mesh.dcn_product((a,)))
-            for a in ("fsdp", "expert")
-        )
-        if fsdp > 1:
+    for tier, sizes in (("ici", ici), ("dcn", dcn)):
+        if sizes["fsdp"] > 1:
             overrides[f"{tier}_fsdp_parallelism"] = 1
-            overrides[f"{tier}_expert_parallelism"] = fsdp * expert
+            overrides[f"{tier}_expert_parallelism"] = sizes["fsdp"] * sizes["expert"]
     plan, findings = _analyse(cfg.replace(**overrides), None)
     if plan is None or errors_in(findings):
         return None

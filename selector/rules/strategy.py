@@ -212,13 +212,11 @@ def _more_slices(cfg: Config, mesh: MeshView) -> list:
     dcn = fill_tier(cfg, "dcn", cfg.num_slices, [])
     if dcn is None:
         return []
+    # A dcn -1 fill is written out, so it is not recomputed on the bigger machine.
+    filled = {f"dcn_{a}_parallelism": n for a, n in dcn.items() if cfg.parallelism("dcn", a) == -1}
     fixes = []
     for factor in (2, 4):
         slices = cfg.num_slices * factor
-        # A dcn -1 fill is written out, so it is not recomputed on the bigger machine.
-        filled = {
-            f"dcn_{a}_parallelism": n for a, n in dcn.items() if cfg.parallelism("dcn", a) == -1
-        }
         changed = {
             "num_devices": mesh.num_devices * factor,
             "num_slices": slices,
