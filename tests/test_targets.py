@@ -179,6 +179,28 @@ def test_tensor_axis_splits_the_expert_matmuls_on_target(platform):
     assert token_traffic(split.as_text(), ("all-reduce",)) == []
 
 
+@pytest.mark.parametrize("platform", list(TARGETS))
+def test_decode_on_the_decode_axis_compiles_for_target(platform):
+    """Decode with context_autoregressive=2 (MaxText's decode axis) beside fsdp=4: the
+    selector warns that the MoE token is repeated there, and the target's compiler
+    takes the block: the tokens enter split over fsdp only, none crosses devices, and
+    the weights resting over both axes are gathered whole."""
+    case = (platform, "decode", "megablox", "gather", BACKENDS[platform][0], "bfloat16")
+    block, program, _, _ = build(*case, mesh_sizes={"fsdp": 4, "context_autoregressive": 2})
+    assert "DECODE_TOKEN_REPEATED" in {f.code for f in block.plan.warnings}
+    assert block.layout.sequence == () and "context_autoregressive" in block.layout.embed
+    _, x_sharding = program.input_shardings[0]
+    assert "context_autoregressive" not in str(x_sharding.spec), x_sharding.spec
+    text = program.as_text()
+    assert token_traffic(text) == [], "tokens crossed devices"
+    gathered = [
+        math.prod(max(shapes, key=math.prod))
+        for op, shapes in collectives(text)
+        if op == "all-gather" and shapes
+    ]
+    assert max(gathered) >= EXPERTS * EMB * HIDDEN, "the weights must be gathered whole"
+
+
 def test_target_descriptions():
     assert targets.Target("v5p", 64).describe() == "v5p, 64 chips (4x4x4)"
     assert targets.torus("v6e", 8) == (2, 4)
