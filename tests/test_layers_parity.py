@@ -89,7 +89,7 @@ def test_statistics_are_global_across_cp(jax_cpu8, strategy):
 
 @pytest.mark.parametrize("strategy", ["dense", "megablox"])
 def test_decode_on_the_decode_axis_repeats_the_token_and_matches(jax_cpu8, strategy):
-    """At decode the context_autoregressive axis (it shards the KV cache) holds the one
+    """At decode the context_autoregressive axis (MaxText's decode axis) holds the one
     new token repeated: the block runs (weights rest split over it too), every copy of
     the output matches the reference, and the statistics count each token once."""
     model = build(strategy, {"fsdp": 4, "context_autoregressive": 2}, BATCH, SEQ, "mode=decode")

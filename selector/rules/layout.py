@@ -265,16 +265,18 @@ def _knob_of(cfg: Config, axis: str) -> str:
     return f"ici_{axis}_parallelism"
 
 
-# MaxText's decode axis: it shards the KV cache along the sequence in attention. The MoE
-# block sees one new token per sequence, so on it that axis can only repeat the token or,
-# by the axis rules, split the batch.
+# MaxText's decode axis. Where this was read: MaxText 0.2.5's layers/moe.py splits its
+# inference routing by this axis's size, and issue 18's outside tester describes it as
+# the axis that shards the KV cache at decode; base.yml's logical rules name it in no
+# cache rule (read, not run). The MoE block sees one new token per sequence, so on it
+# this axis can only repeat the token or, by the axis rules, split the batch.
 DECODE_AXIS = "context_autoregressive"
 
 
 def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
     """At decode a sequence axis cannot split the one new token: an error for the
-    training-time context axes, a warning for the decode axis (it exists to shard the
-    KV cache, and only the MoE block's copy of the token is repeated on it)."""
+    training-time context axes, a warning for the decode axis (it is MaxText's axis for
+    decode, and only the MoE block's copy of the token is repeated on it)."""
     if cfg.mode is not Mode.decode or dev.cp <= 1:
         return []
     axes = [a for a in mesh.sequence_axes if mesh.size(a) > 1]
@@ -302,7 +304,7 @@ def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]
             _knob_of(cfg, axes[0]),
             f"mode=decode feeds one token per sequence, which cp={cp} ({knobs}) cannot "
             f"split: the MoE block's sequence shards would each hold the same token. At "
-            f"decode, {DECODE_AXIS} is the axis that shards the KV cache.",
+            f"decode, {DECODE_AXIS} is MaxText's axis for decode.",
             fixes,
         )
     ]
@@ -326,7 +328,7 @@ def _decode_token_repeated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
         warning(
             "DECODE_TOKEN_REPEATED",
             "axis_rules.batch",
-            f"{knob}={size} shards the KV cache at decode, but the MoE block gets one new "
+            f"{knob}={size} is MaxText's decode axis, but the MoE block gets one new "
             f"token per sequence, so its {size} devices each route and compute the same "
             f"{fmt(dev.tokens_per_device)} token(s). Naming {DECODE_AXIS} in "
             "axis_rules.batch splits the batch over them in the MoE block"
