@@ -23,7 +23,11 @@ def render_value(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     if isinstance(value, float):
-        return f"{value:g}"
+        # Short where that is exact; otherwise every digit, so that the rendered fix is
+        # the fix that was checked (0.01171875 as 0.0117188 made 256 devices' global
+        # batch 3.0000128, a fractional batch).
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(render_value(v) for v in value) + "]"
     return str(value)

@@ -401,3 +401,16 @@ def test_mesh_fill_ambiguous_names_the_knob():
         if f.code == "MESH_FILL_AMBIGUOUS"
     ]
     assert f.setting.endswith("_parallelism") and f.setting.startswith("ici_"), f.setting
+
+
+def test_a_rendered_fix_carries_the_value_that_was_checked():
+    """A float in a fix renders short only where short is exact: per_device_batch_size
+    0.01171875 rendered as 0.0117188 gave 256 devices a global batch of 3.0000128, so
+    the fix as a user types it raised GLOBAL_BATCH_FRACTIONAL (found by the fix
+    property test)."""
+    from selector.findings import render_value
+
+    for value in (0.01171875, 1 / 3, 0.25, 2.0, 1e-7, 12345678.5):
+        assert float(render_value(value)) == value, value
+    assert render_value(2.0) == "2"
+    assert render_value(0.25) == "0.25"
