@@ -10,7 +10,9 @@ temporaries (`memory_parts`). Training compiles fwd+bwd, prefill and decode the
 forward. The fit gives each (compiler family, mode, dispatch and exchange)
 non-negative coefficients on those parts, minimising the relative error; the held-out
 points (other shapes, E, k, capacity factors and meshes, fixed here before any fit)
-report the fitted model's error per key. Arguments and outputs need no fit: they are
+report the fitted model's error per key, and leaving each fit shape out of the fit in
+turn reports the error on shapes the fit did not see from the fit points alone.
+Arguments and outputs need no fit: they are
 checked as they are. Beside the memory, XLA's cost analysis (FLOPs, bytes accessed)
 is set against the selector's FLOP and HBM terms.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from bench.common import use_cpu_devices
@@ -236,6 +239,27 @@ def errors(rows: list[dict], calibration: dict) -> list[dict]:
     return out
 
 
+_SHAPE = re.compile(r"seq=\d+(?: x\d+)? M=\d+ H=\d+ E=\d+ k=\d+")
+
+
+def left_out_shapes(rows: list[dict]) -> list[dict]:
+    """Leave one shape out: each fit shape's points predicted by a fit on the other
+    shapes' points. How the model does on shapes it did not see, from the fit points
+    alone (the held-out points stay unused), with every program's coefficients refitted
+    each time; a program none of whose other shapes remain is skipped."""
+
+    def shape(row):
+        return _SHAPE.search(row["point"]).group(0)
+
+    errs = []
+    for left_out in sorted({shape(r) for r in rows}):
+        calibration = fit([r for r in rows if shape(r) != left_out])
+        errs += errors(
+            [r for r in rows if shape(r) == left_out and r["key"] in calibration], calibration
+        )
+    return errs
+
+
 def summary(errs: list[dict]) -> list[dict]:
     rows = []
     for key in sorted({e["key"] for e in errs}):
@@ -428,6 +452,11 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
     print(f"\nmemory model fitted on {COMPILERS[target]}")
     print("\nfit points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
     print("\nheld-out points\n" + table(summary(hold_errs), CALIBRATION_COLUMNS))
+    left_out = left_out_shapes(rows)
+    print(
+        "\nfit points, each shape left out of the fit\n"
+        + table(summary(left_out), CALIBRATION_COLUMNS)
+    )
     worst_io = max(
         abs(e[k]) for e in fit_errs + hold_errs for k in ("arguments_error", "outputs_error")
     )
@@ -442,6 +471,7 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
         "holdout_errors": hold_errs,
         "fit_summary": summary(fit_errs),
         "holdout_summary": summary(hold_errs),
+        "left_out_shape_summary": summary(left_out),
         "cost_summary": costs,
         "arguments_outputs_worst_error": worst_io,
         "rows": rows,
