@@ -414,3 +414,18 @@ def test_a_rendered_fix_carries_the_value_that_was_checked():
         assert float(render_value(value)) == value, value
     assert render_value(2.0) == "2"
     assert render_value(0.25) == "0.25"
+
+
+def test_a_fractional_global_batch_is_shown_as_it_is_not_rounded_whole():
+    """256 devices at per_device_batch_size 3.0000001/256: the global batch is not whole
+    (GLOBAL_BATCH_FRACTIONAL), and the message must not print it as 3 sequences."""
+    value = 3.0000001 / 256
+    cfg = typed(
+        "hardware=cpu",
+        "num_devices=256",
+        "ici_data_parallelism=256",
+        f"per_device_batch_size={value!r}",
+    )
+    (f,) = [f for f in selector.validate(cfg) if f.code == "GLOBAL_BATCH_FRACTIONAL"]
+    assert f"per_device_batch_size={value!r}" in f.message, f.message
+    assert "= 3 sequences" not in f.message and "= 3.0000001" in f.message, f.message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..config import Config, Mode
-from ..findings import Finding, error, fix, warning
+from ..findings import Finding, error, fix, render_value, warning
 from ..mesh import MeshView
 from ..per_device import PerDevice, is_whole
 from .moves import move
@@ -47,8 +47,10 @@ def global_batch_whole(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Find
         error(
             "GLOBAL_BATCH_FRACTIONAL",
             "per_device_batch_size",
-            f"per_device_batch_size={cfg.per_device_batch_size:g} x {dev.num_devices} devices "
-            f"= {dev.global_batch:g} sequences, not a whole number; per_device_batch_size "
+            # Exact where :g would round a near-whole product to a whole number.
+            f"per_device_batch_size={render_value(cfg.per_device_batch_size)} x "
+            f"{dev.num_devices} devices = {render_value(dev.global_batch)} sequences, not a "
+            "whole number; per_device_batch_size "
             f"must be a multiple of 1/{dev.num_devices}.",
             [
                 _one_per_shard(cfg, dev, f"global batch {dev.batch_shards}, one per batch shard"),
