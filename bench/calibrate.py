@@ -248,14 +248,17 @@ def left_out_shapes(rows: list[dict]) -> list[dict]:
     alone (the held-out points stay unused), with every program's coefficients refitted
     each time; a program none of whose other shapes remain is skipped."""
 
-    def shape(row):
-        return _SHAPE.search(row["point"]).group(0)
-
+    shapes = [_SHAPE.search(r["point"]).group(0) for r in rows]
     errs = []
-    for left_out in sorted({shape(r) for r in rows}):
-        calibration = fit([r for r in rows if shape(r) != left_out])
+    for left_out in sorted(set(shapes)):
+        calibration = fit([r for r, s in zip(rows, shapes, strict=True) if s != left_out])
         errs += errors(
-            [r for r in rows if shape(r) == left_out and r["key"] in calibration], calibration
+            [
+                r
+                for r, s in zip(rows, shapes, strict=True)
+                if s == left_out and r["key"] in calibration
+            ],
+            calibration,
         )
     return errs
 
@@ -452,11 +455,8 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
     print(f"\nmemory model fitted on {COMPILERS[target]}")
     print("\nfit points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
     print("\nheld-out points\n" + table(summary(hold_errs), CALIBRATION_COLUMNS))
-    left_out = left_out_shapes(rows)
-    print(
-        "\nfit points, each shape left out of the fit\n"
-        + table(summary(left_out), CALIBRATION_COLUMNS)
-    )
+    left_out = summary(left_out_shapes(rows))
+    print("\nfit points, each shape left out of the fit\n" + table(left_out, CALIBRATION_COLUMNS))
     worst_io = max(
         abs(e[k]) for e in fit_errs + hold_errs for k in ("arguments_error", "outputs_error")
     )
@@ -471,7 +471,7 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
         "holdout_errors": hold_errs,
         "fit_summary": summary(fit_errs),
         "holdout_summary": summary(hold_errs),
-        "left_out_shape_summary": summary(left_out),
+        "left_out_shape_summary": left_out,
         "cost_summary": costs,
         "arguments_outputs_worst_error": worst_io,
         "rows": rows,
