@@ -17,9 +17,11 @@ def use_cpu_devices(n: int = 8) -> None:
     """Simulated CPU devices; must run before jax is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("use_cpu_devices must run before jax is imported")
+    from selector.jax_start import quiet_jax_start
     from selector.targets import prepare_process  # jax-free
 
     prepare_process("cpu", n)
+    quiet_jax_start()  # no compiler-plugin start-up noise on a machine without accelerators
 
 
 def block_overrides(
@@ -53,9 +55,9 @@ def block_overrides(
 
 
 def interleaved(fns: dict, runs: int = 5) -> dict[str, list[float]]:
-    """`layers.measured.interleaved` (measure mode's timer), imported when called so jax
+    """`checks.measured.interleaved` (measure mode's timer), imported when called so jax
     starts after `use_cpu_devices`."""
-    from layers.measured import interleaved as timed
+    from checks.measured import interleaved as timed
 
     return timed(fns, runs)
 

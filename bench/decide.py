@@ -5,7 +5,7 @@ its picks checked on others it never saw.
 For each config (a mesh of 8 devices, E, k, tokens, emb, hidden, training or prefill;
 dropless, so the decision is between megablox gathered, megablox exchanged and dense
 where E/k <= 8) every candidate is built and timed one step per round, interleaved
-(layers.measured, 5 rounds, medians). The time model prices a candidate as
+(checks.measured, 5 rounds, medians). The time model prices a candidate as
 a x compute + b x HBM + c x network + d seconds from the cost model's terms, with
 non-negative a, b, c, d fitted per (mode, program) on the fit configs by relative least
 squares; the held-out configs (fixed below before any fit) report how often the fitted
@@ -131,9 +131,9 @@ def measure(point, hardware: str = "cpu") -> dict:
     import jax
 
     import selector
-    from layers.measured import time_candidates
+    from checks.measure_mode import timeable
+    from checks.measured import time_candidates
     from selector.cost import program_of
-    from selector.measure_mode import timeable
     from selector.memory_model import calibration_key
 
     devices = jax.device_count() if LIVE else 8

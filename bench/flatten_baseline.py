@@ -31,5 +31,5 @@ def flatten_forward(layout: Layout, spec: MoESpec, x_BSM, w: ExpertWeights):
 
 def flatten_block_forward(model):
     """forward(weights, x_BSM) -> (y_BSM, stats) of the baseline, on `model`'s layout
-    and spec (for `layers.compiled.compile_fwd_bwd(..., forward=...)`)."""
+    and spec (for `layers.programs.compile_fwd_bwd(..., forward=...)`)."""
     return lambda w, x: flatten_forward(model.layout, model.spec, x, w)

@@ -38,7 +38,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.flatten_baseline import flatten_block_forward  # noqa: E402
 from bench.points import Point, measure, predicted  # noqa: E402
-from layers.compiled import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
+from layers.programs import block_forward, compile_fwd_bwd, fwd_bwd_loss  # noqa: E402
 
 SHAPE = dict(seq=8192, emb=256, hidden=512, experts=16, top_k=2)
 CPS = (1, 2, 4, 8)

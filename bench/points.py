@@ -1,6 +1,6 @@
 """One benchmark point: build a block (abstractly, so the real models' sizes need no
 memory), compile it for the point's chips (XLA:CPU on simulated devices, or XLA:TPU /
-XLA:GPU ahead of time: `layers.compiled`), and set XLA's memory figures and cost
+XLA:GPU ahead of time: `checks.compiled`), and set XLA's memory figures and cost
 analysis beside the selector's."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import jax
 
 import selector
-from layers.compiled import compile_plan, read, target_of
+from checks.compiled import compile_plan, read, target_of
 from selector.api import analyse_any
 from selector.cost import calibration_key, memory_parts, problem_shape
 

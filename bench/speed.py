@@ -30,7 +30,7 @@ from bench.common import (
     save,
     table,
 )
-from layers.compiled import block_forward, fwd_bwd_loss
+from layers.programs import block_forward, fwd_bwd_loss
 
 TOKENS, EMB, HIDDEN, TOP_K, CAPACITY_FACTOR = 8192, 512, 1024, 8, 1.25
 MASK_LIMIT = 2.2e8  # elements of the (T, E, C) dispatch mask beyond which we skip

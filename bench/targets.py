@@ -109,7 +109,7 @@ def overrides(platform, dims, mesh, dispatch, exchange, backend) -> list[str]:
 
 def compile_block(platform, dims, mesh, dispatch, exchange, backend):
     import selector
-    from layers.compiled import compile_plan
+    from checks.compiled import compile_plan
     from selector import targets
 
     target = targets.Target(HARDWARE[platform], math.prod(mesh.values()))
@@ -233,11 +233,12 @@ def real_rows() -> list[dict]:
 
     import layers
     import selector
-    from layers.compiled import compile_fwd_bwd
+    from checks.targets import devices
+    from layers.programs import compile_fwd_bwd
     from selector import targets
 
     target = targets.Target("v5p", 64)
-    mesh = layers.make_mesh(REAL_MESH, target.devices())
+    mesh = layers.make_mesh(REAL_MESH, devices(target))
     rows = []
     for model in ("qwen3_next_80b_a3b", "deepseek_v3"):
         for exchange in ("gather", "all_to_all"):

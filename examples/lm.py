@@ -125,10 +125,33 @@ class MoELanguageModel(nnx.Module):
         self.norm = RMSNorm(emb, lay, pdt)
         self.layout, self.dtype = lay, self.blocks[0].moe.spec.compute_dtype
 
+    def _embed(self, tokens_BS):
+        """tokens (B, S) -> (B, S, M), born in the tokens' sharding.
+
+        A `take` under plain jit comes out split like the table (embed dim over the embed
+        axes), and XLA can only move that to (batch, sequence) by replicating the whole
+        activation first ("Involuntary full rematerialization"). Inside a shard_map each
+        device gathers the table's embed dim (its transpose reduce-scatters the gradient
+        back to the table's at-rest split) and looks up only its own tokens."""
+        lay = self.layout
+        tokens_spec = P(*lay.x_BSM[:2])
+
+        def lookup(tokens, table_VM):
+            table = gather(table_VM, lay.embed, 1, lay.repeated_axes)
+            return jnp.take(table, tokens, axis=0).astype(self.dtype)
+
+        fn = jax.shard_map(
+            lookup,
+            mesh=lay.mesh,
+            in_specs=(tokens_spec, P(None, spec_entry(lay.embed))),
+            out_specs=lay.x_BSM,
+            check_vma=True,
+        )
+        return fn(tokens_BS, self.embed[...])
+
     def __call__(self, tokens_BS):
         lay = self.layout
-        x = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
-        x = jax.lax.with_sharding_constraint(x, lay.named(lay.x_BSM))
+        x = self._embed(tokens_BS)
         stats = []
         for block in self.blocks:
             x, s = block(x)

@@ -3,6 +3,8 @@
     python -m examples.train model=tiny mesh=cpu_8 ici_context_parallelism=4 \\
         per_device_batch_size=0.25 max_target_length=2048 train.steps=20
 
+(or `moe-train ...`, the same from any directory after pip install "moe-cp[examples]").
+
 One Hydra app on this project's config tree (`conf/train.yaml`: every selector setting,
 MaxText spelling, plus a `train:` node). The selector checks the config first: a config
 it rejects stops with its findings and exit 1 before anything is compiled. Then the
@@ -31,6 +33,7 @@ from omegaconf import OmegaConf
 
 import selector
 from selector.config import Config
+from selector.jax_start import quiet_jax_start
 from selector.report import render_text
 
 
@@ -237,6 +240,7 @@ def run(cfg) -> int:
         print(render_text(config, plan, findings))
         print("\nerror: the selector rejects this config; nothing was compiled.", file=sys.stderr)
         return 1
+    quiet_jax_start()  # before jax: no compiler-plugin start-up noise without accelerators
     if config.hardware.platform == "cpu" and "jax" not in sys.modules:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = (
@@ -342,6 +346,12 @@ def main() -> None:
 
     app()
     sys.exit(status["code"])
+
+
+def entry() -> None:
+    """Console script `moe-train` (pip install "moe-cp[examples]"): the same as
+    `python -m examples.train`, from any directory."""
+    main()
 
 
 if __name__ == "__main__":

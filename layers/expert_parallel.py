@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from selector.problem import exchange_buffer_rows
+from selector.plan_sizes import exchange_buffer_rows
 
 from .ffn import swiglu
 from .grouped_matmul import (

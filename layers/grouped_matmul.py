@@ -259,7 +259,7 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None
     Returns:
       y_RN: row r times the matrix of its group.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from layers.grouped_matmul import gmm
       >>> x = jnp.ones((4, 2))

@@ -8,6 +8,9 @@ Legend: B batch, S sequence, M embedding, H hidden, E experts.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-import selector
-from selector import Dispatch
+from selector.api import resolve
+from selector.compose import to_config
+from selector.config import Dispatch
+from selector.findings import ConfigError, Finding, Fix, Severity
+from selector.plan import DispatchPlan
 
 from . import dense, megablox, subgroup_capacity
 from .ffn import WEIGHT_FIELDS, ExpertWeights, dense_ffn, shared_swiglu
@@ -149,6 +155,114 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     return fn(x_BSM, w)
 
 
+class HeldConfig:
+    """The config a block was built from, kept to derive its plan at other input shapes.
+
+    NNX keeps a module's plain attributes in its graph definition, which `nnx.jit`
+    hashes; Config is a mutable dataclass holding lists (unhashable, and the caller may
+    change it after the build), so the block holds a private copy compared by value."""
+
+    __slots__ = ("config", "_key")
+
+    def __init__(self, config):
+        self.config = copy.deepcopy(config)
+        self._key = repr(self.config)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HeldConfig) and other._key == self._key
+
+
+class InputShapeError(ConfigError):
+    """An input no plan of the block can serve: the selector's findings at that shape
+    (each with its fixes, in settings), introduced by what the input reads as."""
+
+    def __init__(self, shape: tuple[int, ...], findings, reading: str):
+        super().__init__(findings)
+        self.shape = shape
+        self.args = (f"MoEBlock input {shape}: {reading}\n{self.args[0]}",)
+
+
+def resolve_at_shape(config, mesh: Mesh) -> DispatchPlan:
+    """The selector's plan for `config` on `mesh`: the one call the block makes into the
+    selector's entry points after it is built (raises ConfigError on error findings)."""
+    return resolve(config, mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def plan_at_shape(
+    held: HeldConfig, strategy: Dispatch, exchange, mesh: Mesh, batch: int, seq: int
+) -> DispatchPlan:
+    """The selector's plan for a global (batch, seq) input to a block built from `held`
+    with `strategy` and `exchange`: its per-device numbers (tokens a device, capacity
+    per subgroup, ...) and findings at that shape. Raises InputShapeError when the
+    selector refuses the shape.
+
+    The strategy is pinned (dispatch= and expert_exchange= set to the built ones): the
+    parameters rest where the built placement put them, and a layer that switched
+    strategy with the batch would compute differently (capacity drops or none) on the
+    same weights; auto might choose otherwise at this shape, but the choice was made
+    once, at the build. The local-batch rule is waived: it guards how a launch sizes
+    per_device_batch_size against the mesh, while a layer takes the input it is given
+    (an evaluation batch larger than the training one)."""
+    config = held.config
+    devices = mesh.devices.size
+    # At decode the step is one new token whatever the context length, and the
+    # context length (max_target_length) still sizes what decode holds.
+    decode = config.mode.value == "decode"
+    shaped = config.replace(
+        per_device_batch_size=batch / devices,
+        max_target_length=config.max_target_length if decode else seq,
+        dispatch=strategy,
+        expert_exchange=exchange,
+        allow_local_batch_inflation=True,
+    )
+    reading = (
+        f"{batch} sequences over {devices} devices (per_device_batch_size="
+        f"{batch / devices:g}) of {seq} tokens (max_target_length={shaped.max_target_length}, "
+        f"mode={config.mode.value}), which the selector refuses for the block's "
+        f"{strategy.value} dispatch on this mesh. Give an input the findings allow: "
+        f"a batch of per_device_batch_size x {devices} sequences of max_target_length tokens."
+    )
+    try:
+        found = resolve_at_shape(shaped, mesh)
+    except ConfigError as exc:
+        raise InputShapeError((batch, seq, config.base_emb_dim), exc.findings, reading) from None
+    if found.per_device.seq_len != seq:  # decode: one new token a sequence, whatever is given
+        raise InputShapeError(
+            (batch, seq, config.base_emb_dim),
+            [_mode_finding(config.mode.value, found.per_device.seq_len, seq)],
+            reading,
+        )
+    return found
+
+
+def _mode_finding(mode: str, planned: int, seq: int) -> Finding:
+    found = Finding(
+        "INPUT_SEQUENCE_FOR_MODE",
+        Severity.error,
+        "mode",
+        f"The block was built with mode={mode}, whose steps take {planned} token(s) a "
+        f"sequence, but the input has {seq}. Give it (batch, {planned}, emb) inputs, or build "
+        f"a block for prompts of {seq} tokens.",
+    )
+    return found.with_fixes((Fix((("mode", "prefill"),), f"a block for {seq}-token inputs"),))
+
+
+def _emb_finding(shape: tuple[int, ...], emb: int) -> Finding:
+    found = Finding(
+        "INPUT_EMB_MISMATCH",
+        Severity.error,
+        "base_emb_dim",
+        f"MoEBlock input {shape} is not (batch, sequence, {emb}): the block's parameters "
+        f"were created for base_emb_dim={emb} and do not change with the input. Give it "
+        f"inputs of emb {emb}, or build a block for the input's.",
+    )
+    return found.with_fixes((Fix((("base_emb_dim", shape[-1]),), "a new block, new parameters"),))
+
+
 class RoutedBias(nnx.Variable):
     """The router's selection bias (aux-loss-free balancing): state updated by
     `layers.update_routed_bias` from the load statistics, never by gradients."""
@@ -194,6 +308,13 @@ class MoEBlock(nnx.Module):
     dropped_tokens, tokens_per_expert (E,), nonfinite_tokens, and exchange_rounds when
     rows are exchanged, all over the global batch.
 
+    The block takes any (batch, sequence) the mesh divides, not only the shape its plan
+    was resolved for: the strategy and the parameters stay as built, and the per-device
+    numbers (tokens a device, capacity per subgroup) are the selector's for the input's
+    shape, resolved once per shape (`at_shape`). An input the selector refuses (a batch
+    the batch axes do not divide, a sequence cp does not divide, a decode step of more
+    than one token, another emb) raises ConfigError with the finding and its fix.
+
     Args:
       cfg: the config (see above).
       mesh: the live mesh (keyword).
@@ -203,7 +324,8 @@ class MoEBlock(nnx.Module):
     Returns (calling it):
       (y_BSM, stats): the block's output, sharded as its input, and the statistics.
 
-    Example (8 simulated CPU devices; tests/conftest.py sets them up):
+    Examples:
+      On 8 simulated CPU devices (tests/conftest.py sets them up):
       >>> import jax, jax.numpy as jnp, selector, layers
       >>> from flax import nnx
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
@@ -216,16 +338,19 @@ class MoEBlock(nnx.Module):
       >>> y, stats = block(x)
       >>> y.shape, int(stats["dropped_tokens"]), int(stats["tokens_per_expert"].sum())
       ((2, 64, 64), 0, 256)
+      >>> block.at_shape((4, 32, 64))[0].per_device.tokens_per_device  # 4 x 32 over 8
+      16.0
     """
 
     def __init__(
-        self, cfg: Any, *, mesh: Mesh, plan: selector.DispatchPlan | None = None, rngs: nnx.Rngs
+        self, cfg: Any, *, mesh: Mesh, plan: DispatchPlan | None = None, rngs: nnx.Rngs
     ):
-        config = selector.to_config(cfg)
+        config = to_config(cfg)
         check_mesh(mesh, plan)
-        self.plan = plan if plan is not None else selector.resolve(config, mesh)
+        self.plan = plan if plan is not None else resolve(config, mesh)
         self.layout = Layout.from_plan(self.plan, mesh)
         self.spec = MoESpec.from_config(config, self.plan, self.layout)
+        self.settings = HeldConfig(config)  # for the plan at other input shapes
         self.param_dtype = jnp.dtype(config.param_dtype)
         names, shapes, shardings = self.param_layout()
         keys = [rngs.params() for _ in names]
@@ -286,22 +411,39 @@ class MoEBlock(nnx.Module):
         )
 
     def __call__(self, x_BSM):
-        self.check_input(x_BSM.shape)
-        return sharded_forward(self.plan.strategy, self.layout, self.spec, x_BSM, self.weights())
+        plan, layout, spec = self.at_shape(x_BSM.shape)
+        return sharded_forward(plan.strategy, layout, spec, x_BSM, self.weights())
 
-    def check_input(self, shape) -> None:
-        """The plan was resolved for one global (batch, sequence): its per-device numbers,
-        capacity and estimates hold only for that shape, so another is an error."""
-        dev = self.plan.per_device
-        want = (round(dev.global_batch), dev.seq_len, self.spec.emb)
-        if tuple(shape) != want:
+    def at_shape(self, shape) -> tuple[DispatchPlan, Layout, MoESpec]:
+        """(plan, layout, spec) for a global (batch, sequence, emb) input: the built ones
+        at the shape the plan was resolved for; at any other, the built strategy and
+        placement with the per-device numbers the selector derives for that shape
+        (cached per shape). Raises ConfigError, with the selector's findings and their
+        fixes, for an input no plan of this block can serve."""
+        shape = tuple(int(d) for d in shape)
+        if len(shape) != 3:
             raise ValueError(
-                f"MoEBlock input {tuple(shape)} is not the (batch, sequence, emb) = {want} its "
-                f"plan was resolved for (per_device_batch_size x {dev.num_devices} devices, "
-                f"max_target_length, base_emb_dim). Resolve the plan for this input: "
-                f"per_device_batch_size={shape[0] / dev.num_devices:g} "
-                f"max_target_length={shape[1]} base_emb_dim={shape[-1]}."
+                f"MoEBlock takes a (batch, sequence, emb) input; got shape {shape}. Reshape "
+                f"it to three dims, e.g. (batch, sequence, {self.spec.emb})."
             )
+        if shape[-1] != self.spec.emb:
+            raise ConfigError([_emb_finding(shape, self.spec.emb)])
+        batch, seq, _ = shape
+        dev = self.plan.per_device
+        if (batch, seq) == (round(dev.global_batch), dev.seq_len):
+            return self.plan, self.layout, self.spec
+        strategy, mesh = self.plan.strategy, self.layout.mesh
+        found = plan_at_shape(
+            self.settings, strategy, self.plan.placement.exchange, mesh, batch, seq
+        )
+        plan = dataclasses.replace(
+            self.plan,
+            per_device=found.per_device,
+            candidates=found.candidates,
+            findings=found.findings,
+        )
+        layout = Layout.from_plan(plan, mesh)
+        return plan, layout, MoESpec.from_config(self.settings.config, plan, layout)
 
 
 class MlpBlock(nnx.Module):

@@ -84,7 +84,8 @@ class Layout:
       Its members: `x_BSM` (the tokens' spec), `weight_specs()` (each weight at rest),
       `batch`, `sequence`, `experts`, `embed`, `hidden`, `group` (mesh axes per role).
 
-    Example (8 simulated CPU devices; tests/conftest.py sets them up):
+    Examples:
+      On 8 simulated CPU devices (tests/conftest.py sets them up):
       >>> import jax, selector, layers
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
       ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25",

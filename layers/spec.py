@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from selector.config import CapacityRounding
-from selector.problem import shared_width
+from selector.plan_sizes import shared_width
 
 from .expert_parallel import ExchangeGroup
 from .sharding import Layout
@@ -29,7 +29,7 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     n_routing_groups: int = -1
     topk_routing_group: int = -1
-    shared_experts: int = 0  # how many; their width: selector.problem.shared_width
+    shared_experts: int = 0  # how many; their width: selector.plan_sizes.shared_width
     shared_expert_gate: bool = False
     capacity_rounding: CapacityRounding = CapacityRounding.ours
     platform: str = "cpu"  # of the mesh's devices: the grouped matmul's kernel follows it

@@ -1,12 +1,13 @@
 """MoE dispatch selector: inspects a mesh, a sequence length and a model, picks the MoE
 dispatch that keeps the sequence sharded, and validates settings before launch.
 
-Importing this package never imports jax (compiling, with `compile=true` or
-`compile_check`, imports it then).
+Importing this package never imports jax, and no module of it imports jax or the layers:
+compiling and timing (`compile=true`, `measure=true`, `compile_check`, `measure_check`)
+run in the `checks` package, found by entry point (`selector.plugins`).
 """
 
 from .api import compile_check, measure_check, register_resolvers, resolve, validate
-from .compile_mode import CompileCheck, CompiledCandidate
+from .checked import CompileCheck, CompiledCandidate
 from .compose import compose, conf_dir, to_config
 from .config import (
     MESH_AXES,

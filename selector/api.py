@@ -8,12 +8,12 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .compile_mode import CompileCheck, check
+from .checked import CompileCheck, MeasureCheck
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
 from .findings import ConfigError, Finding, error, errors_in, shown, warning
-from .measure_mode import MeasureCheck
 from .plan import DispatchPlan, analyse
+from .plugins import check_mode
 
 
 def _typed(cfg: Any, mesh: Any) -> tuple[Config, list[Finding]]:
@@ -61,7 +61,7 @@ def resolve(cfg: Any, mesh: Any = None) -> DispatchPlan:
       `.estimates` (see the README's "The plan"). Raises `ConfigError` listing every
       finding when any is an error.
 
-    Example:
+    Examples:
       >>> import selector
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
       ...                         "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"])
@@ -86,9 +86,11 @@ def compile_check(cfg: Any, mesh: Any = None, *, progress=None) -> CompileCheck:
     candidate estimated beside compiled) and `.findings`. Raises ConfigError when the
     config has errors, before compiling or after (a compiled program that does not fit
     is COMPILED_MEMORY_EXCEEDED), and `selector.targets.TargetUnavailable` naming the
-    extra to install when the compiler plugin is missing. `progress(message)` hears
+    extra to install when the compiler plugin is missing (or the `checks` package,
+    `selector.plugins.ChecksUnavailable`). `progress(message)` hears
     each step (compiles take minutes at the real models' sizes)."""
     config, notes = _typed(cfg, mesh)
+    check = check_mode("compile")
     plan, findings, checked = check(config, live_mesh_shape(mesh), progress=progress)
     findings = notes + list(findings)
     if checked is None or errors_in(findings):
@@ -107,16 +109,15 @@ def measure_check(cfg: Any, mesh: Any = None, *, progress=None, time_fn=None) ->
       mesh: a live mesh, or None (the config's mesh on `jax.devices()`).
       progress: called with each step's message.
       time_fn: `(config, keys, rounds) -> {key: [seconds]}`; default: build and run each
-        candidate here (`layers.measured.time_candidates`).
+        candidate here (`checks.measured.time_candidates`).
 
     Returns:
       The MeasureCheck: `.plan` (its choice follows the medians), `.measured` (each
       candidate's estimated and measured times), `.calibration()`. Raises ConfigError
       when the config has errors.
     """
-    from .measure_mode import check as measure
-
     config, notes = _typed(cfg, mesh)
+    measure = check_mode("measure")
     plan, findings, checked = measure(
         config, live_mesh_shape(mesh), time_fn=time_fn, progress=progress
     )
@@ -140,10 +141,10 @@ def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
       (VALUE_TYPE_INVALID) or something that is no config at all (CONFIG_NOT_A_MAPPING)
       is a finding like any other.
 
-    Example:
+    Examples:
       >>> import selector
       >>> [f.code for f in selector.validate({"num_experts": 8, "num_experts_per_tok": 9})]
-      ['TOPK_EXCEEDS_EXPERTS', 'NUM_DEVICES_UNKNOWN']
+      ['TOPK_EXCEEDS_EXPERTS']
       >>> [f.code for f in selector.validate(42)]
       ['CONFIG_NOT_A_MAPPING']
     """

@@ -26,9 +26,11 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from .api import analyse_any
 from .compose import compose, override_key, to_config
-from .config import OutputFormat
+from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
+from .jax_start import quiet_jax_start
 from .maxtext import MaxTextError, from_maxtext, route_fixes
+from .plugins import check_mode
 from .report import render_json, render_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -44,8 +46,13 @@ overrides:
   key=value                 set a setting (ici_context_parallelism=4)
   model=NAME, mesh=NAME,    pick a preset (model: qwen3_next_80b_a3b, deepseek_v3,
   hardware=NAME             qwen3_30b_a3b, mixtral_8x7b, tiny)
-  a=1,2 b=x,y  with -m      one check per combination (the worst sets the status)
-  maxtext_config=PATH       check a MaxText YAML (base_config chain, models/) as it is
+  a=1,2 b=x,y  with -m      one check per combination (the worst sets the status),
+                            then a summary line per job (exit, pick, device GiB)
+  maxtext_config=PATH       check a MaxText YAML (base_config chain, models/) as it is;
+  PATH key=value ...        the same, MaxText's way (train.py CONFIG key=value); a model
+                            file (configs/models/NAME.yml) is read with base.yml beneath
+  compile_topology=v5p-128  (MaxText route) the chips to price: 64 v5p chips a slice,
+                            compile_topology_num_slices=N slices
 
 exit status: 0 ok (warnings allowed), 1 validation errors, 2 unusable input
 """
@@ -211,8 +218,9 @@ def analysed(config):
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if config.measure or config.compile:
+        quiet_jax_start()  # before the modes start jax (and its compiler plugins)
     if config.measure:
-        from .measure_mode import check as measure
         from .mesh import build_mesh_view
         from .targets import prepare_process
 
@@ -220,14 +228,14 @@ def analysed(config):
             mesh, _ = build_mesh_view(config, None)
             prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
         doing = "time the candidates on this machine"
-        return _or_usage("measure", doing, lambda: measure(config, progress=progress))
+        return _or_usage(
+            "measure", doing, lambda: check_mode("measure")(config, progress=progress)
+        )
     if not config.compile:
         plan, findings = analyse_any(config)
         return plan, findings, None
-    from .compile_mode import check
-
     doing = f"compile for {config.hardware.name}"
-    return _or_usage("compile", doing, lambda: check(config, progress=progress))
+    return _or_usage("compile", doing, lambda: check_mode("compile")(config, progress=progress))
 
 
 def _or_usage(flag: str, doing: str, run):
@@ -283,6 +291,10 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         _emit(OmegaConf.to_yaml(OmegaConf.structured(imported.config)))
         return EXIT_OK
     plan, findings, compiled = analysed(imported.config)
+    if imported.exchange_is_maxtexts:
+        free = imported.config.replace(expert_exchange=Exchange.auto, expert_group=ExpertGroup.auto)
+        note = imported.alternative(plan, analyse_any(free)[0])
+        imported.notes += [note] if note else []
     findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])
     if plan is not None:
         reason = imported.explain_reason(plan.reason, plan)
@@ -297,8 +309,22 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     )
 
 
+def _positional_config(overrides: list[str]) -> list[str]:
+    """MaxText's habit, `train.py CONFIG key=value ...`: a first argument that names a
+    YAML file is the MaxText config."""
+    if overrides and "=" not in overrides[0] and overrides[0].endswith((".yml", ".yaml")):
+        if not os.path.isfile(overrides[0]):
+            raise _Usage(
+                f"{overrides[0]!r} is not a file; give the path of a MaxText config "
+                "(its configs/base.yml, or your own YAML with base_config:)."
+            )
+        return [f"maxtext_config={overrides[0]}", *overrides[1:]]
+    return overrides
+
+
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    args.overrides = _positional_config(args.overrides)
     if any(a.startswith("maxtext_config=") for a in args.overrides):
         return maxtext_main(args.overrides, args.multirun, args.cfg)
     todo = jobs(args.overrides, args.multirun)
@@ -308,17 +334,58 @@ def run(argv: list[str]) -> int:
             _emit(OmegaConf.to_yaml(cfg))
         return EXIT_OK
     status = EXIT_OK
+    rows = []
     for i, (lines, cfg) in enumerate(composed):
         try:
             config = to_config(cfg)
+            plan, findings, compiled = analysed(config)
         except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as exc:
-            raise _Usage(explain(exc, " ".join(lines))) from None
-        plan, findings, compiled = analysed(config)
-        job = i if args.multirun else None
-        status = max(
-            status, report(config, plan, findings, overrides=lines, job=job, compiled=compiled)
-        )
+            if not args.multirun:
+                raise _Usage(explain(exc, " ".join(lines))) from None
+            plan, findings, code = None, [], _job_usage(i, explain(exc, " ".join(lines)))
+        except _Usage as exc:  # a compile or measure run that failed
+            if not args.multirun:
+                raise
+            plan, findings, code = None, [], _job_usage(i, str(exc))
+        else:
+            job = i if args.multirun else None
+            code = report(config, plan, findings, overrides=lines, job=job, compiled=compiled)
+        status = max(status, code)
+        rows.append(summary_row(i, lines, plan, findings, code))
+    # JSON lines carry each job's numbers already, and a table would break their parsing.
+    if args.multirun and all(cfg.get("output") != OutputFormat.json for _, cfg in composed):
+        _emit(summary(rows, status))
     return status
+
+
+def _job_usage(job: int, message: str) -> int:
+    """In a sweep, one job's unusable input is that job's exit 2; the others still run."""
+    print(f"error: job {job}: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def summary_row(job: int, overrides: list[str], plan, findings, status: int) -> list[str]:
+    """One sweep job as the summary's cells: job, exit, pick, device GiB, errors, overrides."""
+    errors = sorted({f.code for f in errors_in(findings)})
+    if status == EXIT_USAGE:
+        errors = ["unusable input (see stderr)"]
+    pick = plan.chosen_estimate.name if plan is not None else "-"
+    held = f"{plan.chosen_estimate.device_bytes / 2**30:.3g}" if plan is not None else "-"
+    return [str(job), str(status), pick, held, ",".join(errors) or "-", " ".join(overrides)]
+
+
+def summary(rows: list[list[str]], status: int) -> str:
+    """The sweep's last lines: one aligned row a job, after every job's own report."""
+    head = ["job", "exit", "pick", "device GiB", "errors", "overrides"]
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+    lines = [f"=== summary: {len(rows)} job(s), exit status {status} (the worst job's)"]
+    for row in [head, *rows]:
+        cells = [
+            f"{v:>{w}}" if c in (0, 1, 3) else f"{v:<{w}}"
+            for c, (v, w) in enumerate(zip(row[:-1], widths, strict=True))
+        ]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,9 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from .config import AxisRules, Config, Hardware
 from .findings import ConfigError, error, shown
@@ -95,7 +98,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
       A key the schema does not have is a ConfigError (UNKNOWN_SETTING) with the
       closest real keys, whether it is set plainly or added with Hydra's `+`/`++`.
 
-    Example:
+    Examples:
       >>> import selector
       >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4"])
       >>> cfg.num_experts, cfg.ici_context_parallelism
@@ -131,11 +134,11 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         with initialize_config_dir(version_base=None, config_dir=str(conf_dir())):
             try:
                 cfg = hydra_compose(config_name="config", overrides=list(overrides))
-            except (HydraException, OmegaConfBaseException) as exc:
+            except (HydraException, OmegaConfBaseException, ValueError) as exc:
                 key = _missing_key(exc, overrides)
                 if key is not None:
                     raise unknown_setting(key) from None
-                raise
+                raise override_error(exc, overrides) from None
     finally:
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
@@ -143,6 +146,125 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     if extra:
         raise unknown_setting(extra[0])
     return cfg
+
+
+def _schema_field(key: str):
+    """The dataclass field behind a setting (`hardware.memory_gib` included), or None."""
+    schema: Any = Config
+    *parents, name = key.split(".")
+    for parent in parents:
+        field = next((f for f in dataclasses.fields(schema) if f.name == parent), None)
+        schema = field.default_factory if field and callable(field.default_factory) else None
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return None
+    return next((f for f in dataclasses.fields(schema) if f.name == name), None)
+
+
+def _what_it_takes(key: str, value: str = "") -> str:
+    """What a setting takes, as the fix to a value it cannot: its choices (with the
+    one spelled like `value`), or its type and an example, the schema's default."""
+    field = _schema_field(key)
+    if field is None:
+        return "Give a value of the setting's type (`python -m selector --cfg job` shows each)."
+    default = field.default
+    if default is dataclasses.MISSING and callable(field.default_factory):
+        default = field.default_factory()
+    kind = type(default)
+    if isinstance(default, enum.Enum):
+        choices = [c.value for c in type(default)]
+        hint = did_you_mean(value, choices) if value else ""
+        return f"{key} takes one of {', '.join(choices)}.{hint}"
+    if isinstance(default, bool):
+        return f"{key} takes true or false (default {str(default).lower()})."
+    if isinstance(default, (list, tuple)):
+        return f"{key} takes a list of mesh axes, e.g. {key}=[{','.join(default)}]."
+    names = {int: "a whole number", float: "a number", str: "a name"}
+    if "int | None" in str(field.type):
+        return f"{key} takes a whole number or null (the default)."
+    if kind in names:
+        return f"{key} takes {names[kind]}: for example {key}={default} (the default)."
+    return "Give a value of the setting's type (`python -m selector --cfg job` shows each)."
+
+
+def _line_for(key: str, overrides: Sequence[str]) -> str:
+    return next((ln for ln in overrides if override_key(ln) == key), key)
+
+
+def override_error(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
+    """ConfigError for an override Hydra refused, naming the setting and the fix."""
+    cause = exc.__cause__
+    if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
+        key = str(cause.full_key)
+        line = _line_for(key, overrides)
+        value = line.split("=", 1)[1] if "=" in line else ""
+        reason = str(cause).strip().splitlines()[0].rstrip(".")
+        return _override_finding(
+            "VALUE_TYPE_INVALID",
+            key,
+            f"Setting {key!r} cannot take the value in {shown(repr(line))}: {shown(reason)}. "
+            + _what_it_takes(key, value),
+        )
+    if isinstance(exc, MissingConfigException):
+        m = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
+        if m:
+            group, option = m.groups()
+            options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+            hint = did_you_mean(option, options)
+            return _override_finding(
+                "PRESET_UNKNOWN",
+                group,
+                f"Unknown option {shown(option, 60)!r} for {group}= (override "
+                f"{shown(repr(_line_for(group, overrides)))}). Available {group} presets: "
+                f"{', '.join(options) or 'none'}.{hint}",
+            )
+    bad = [ln for ln in overrides if _parses_badly(ln)]
+    if isinstance(exc, ValueError) and "digits" in str(exc) and bad:
+        return _override_finding(
+            "VALUE_TOO_LARGE",
+            override_key(bad[0]),
+            f"The override {shown(repr(bad[0]))} holds a whole number past 4,300 digits, "
+            f"far past any size a setting can take (2**63). "
+            + _what_it_takes(override_key(bad[0])),
+        )
+    if isinstance(exc, (OverrideParseException, ValueError)) and bad:
+        detail = str(exc).strip().splitlines()
+        reason = shown(detail[1] if len(detail) > 1 else detail[0] if detail else "")
+        return _override_finding(
+            "OVERRIDE_INVALID",
+            override_key(bad[0]),
+            f"Cannot parse the override {shown(repr(bad[0]))} ({reason}). Overrides take the "
+            "form key=value (for example ici_context_parallelism=4); quote values with "
+            "spaces or special characters.",
+        )
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "Ambiguous value" in text:
+        line = next((ln for ln in overrides if ln in text), overrides[0] if overrides else "")
+        return _override_finding(
+            "OVERRIDE_INVALID",
+            override_key(line),
+            f"The override {shown(repr(line))} lists several values; add -m to run one check "
+            "per value (python -m selector -m ...), or give one value.",
+        )
+    return _override_finding(
+        "OVERRIDE_INVALID",
+        override_key(overrides[0]) if overrides else "overrides",
+        f"Cannot apply the overrides {shown(repr(' '.join(overrides)))}: {shown(text)}. "
+        "Check each is key=value with a setting `python -m selector --cfg job` lists.",
+    )
+
+
+def _override_finding(code: str, key: str, message: str) -> ConfigError:
+    return ConfigError([error(code, key, message)])
+
+
+def _parses_badly(line: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides([line])
+        return False
+    except (OverrideParseException, ValueError):
+        return True
 
 
 def _missing_key(exc: BaseException, overrides: Sequence[str]) -> str | None:
@@ -171,7 +293,7 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
     Returns:
       The frozen, typed `selector.Config`: what the selector's core reads.
 
-    Example:
+    Examples:
       >>> import selector
       >>> config = selector.to_config({"num_experts": 16, "num_experts_per_tok": 2})
       >>> config.num_experts, config.mode.value
@@ -199,8 +321,22 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
         if k in GROUPS and not (k in _FIELDS and isinstance(cfg[k], (Mapping, DictConfig)))
     }
     known = {k: cfg[k] for k in cfg.keys() if k in _FIELDS and k not in presets}
-    merged = OmegaConf.merge(_preset_base(presets), known)
-    return OmegaConf.to_object(merged)
+    try:
+        merged = OmegaConf.merge(_preset_base(presets, complete=set(known) >= _FIELDS), known)
+        return OmegaConf.to_object(merged)
+    except ValidationError as exc:
+        key = str(getattr(exc, "full_key", "") or "config")
+        reason = shown(str(exc).strip().splitlines()[0].rstrip("."))
+        raise ConfigError(
+            [
+                error(
+                    "VALUE_TYPE_INVALID",
+                    key,
+                    f"{key} cannot take the value given: {reason}. "
+                    + _what_it_takes(key, str(known.get(key, ""))),
+                )
+            ]
+        ) from None
 
 
 MAX_DEPTH = 16  # a setting's value nests lists or mappings at most this deep
@@ -243,11 +379,11 @@ def _check_plain(key: str, value: Any) -> None:
             stack += [(v, depth + 1) for v in item]
 
 
-def _preset_base(presets: Mapping[str, Any]):
-    """The schema's defaults, or, when the mapping names presets (`model`, `mesh`,
-    `hardware`), the config the command line composes from them: a preset named in a
-    mapping means what it means on the command line."""
-    if not presets:
+def _preset_base(presets: Mapping[str, Any], complete: bool = False):
+    """The config the command line composes, from the presets the mapping names
+    (`model`, `mesh`, `hardware`) or else config.yaml's defaults list: a mapping and the
+    command line default alike. The schema alone where every setting is given anyway."""
+    if complete and not presets:
         return OmegaConf.structured(Config)
     for group, name in presets.items():
         if not isinstance(name, str) or not (conf_dir() / group / f"{name}.yaml").is_file():
@@ -262,7 +398,14 @@ def _preset_base(presets: Mapping[str, Any]):
                     )
                 ]
             )
-    return compose([f"{group}={name}" for group, name in presets.items()])
+    return _composed(tuple(f"{group}={name}" for group, name in presets.items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _composed(overrides: tuple[str, ...]) -> DictConfig:
+    # Cached: a training script converts mappings often, and a compose costs ~0.3 s;
+    # merges copy, so the cached node is never changed.
+    return compose(list(overrides))
 
 
 def live_mesh_shape(mesh: Any) -> Mapping[str, int] | None:

@@ -167,6 +167,36 @@ class Config:
     # Optimizer state per parameter (Adam: two float32 moments). 0 when not training.
     optimizer_bytes_per_param: float = 8.0
 
+    # The rest of the decoder (MaxText names), so that a verdict speaks for the whole
+    # training step (selector.architecture counts it, selector.step_memory places it).
+    # The defaults describe the tiny model; presets and MaxText's files set them all.
+    decoder_block: str = "default"  # qwen3_next: gated attention mixed with Gated DeltaNet
+    attention_type: str = "global"  # global: grouped-query attention; mla: DeepSeek's
+    vocab_size: int = 256
+    logits_via_embedding: bool = False  # the output head reuses the embedding (tied)
+    base_num_query_heads: int = 4
+    base_num_kv_heads: int = 2
+    head_dim: int = 16
+    use_qk_norm: bool = False
+    base_mlp_dim: int = 128  # the dense feed-forward layers' width
+    # Multi-head latent attention (attention_type=mla; MaxText's base.yml defaults).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # Qwen3-Next: every n-th layer full attention, the others Gated DeltaNet.
+    inhomogeneous_layer_cycle_interval: int = 1
+    gdn_conv_kernel_dim: int = 4
+    gdn_key_head_dim: int = 128
+    gdn_value_head_dim: int = 128
+    gdn_num_key_heads: int = 16
+    gdn_num_value_heads: int = 32
+    # What the backward pass keeps (MaxText's remat_policy values) and how the loss
+    # tiles the logits (num_vocab_tiling parts of the batch-sequence axis at a time).
+    remat_policy: str = "full"
+    num_vocab_tiling: int = 1
+
     # Batch and sequence.
     per_device_batch_size: float = 1.0
     max_target_length: int = 2048

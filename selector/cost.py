@@ -57,6 +57,7 @@ from .problem import (
     problem_shape,
     rows,
 )
+from .step_memory import StepMemory, step_memory
 from .time_model import fitted_parts
 
 
@@ -89,6 +90,18 @@ class Traffic:
         return self.weight_gather + self.exchange + self.grad_reduce + self.tensor_reduce
 
     @property
+    def weights_bytes(self) -> float:
+        """Network bytes of weights and their gradients (gather, reduce-scatter,
+        all-reduce over replicas): what an exchange does not remove."""
+        return self.weight_gather + self.grad_reduce
+
+    @property
+    def rows_bytes(self) -> float:
+        """Network bytes of activations: routed rows exchanged, and the hidden axes'
+        partial outputs summed."""
+        return self.exchange + self.tensor_reduce
+
+    @property
     def ici(self) -> float:
         return self.network - self.dcn
 
@@ -98,6 +111,7 @@ class Estimate:
     strategy: Dispatch
     exchange: Exchange
     flops: float  # per device per step (fwd, or fwd+bwd when training)
+    rows: float  # rows each expert matmul computes per device (its kernel's tiles)
     memory: Memory  # the block's program
     state_bytes: float  # every MoE layer's weights, gradients and optimizer state at rest
     traffic: Traffic
@@ -107,15 +121,29 @@ class Estimate:
     fits: bool
 
     input_bytes: float  # the block's input (and its gradient) per device
+    # The rest of the whole step (selector.step_memory): the model's state at rest,
+    # the activations saved across layers, the logits, the attention's peak.
+    step: StepMemory | None = None
+
+    @property
+    def block_transient(self) -> float:
+        """The block's program less the weights and gradients that rest (those are
+        part of the model's state, so they are not counted twice)."""
+        weights = self.memory.arguments - self.input_bytes
+        at_rest_in_block = weights + (self.memory.outputs - self.input_bytes)
+        return self.memory.peak - at_rest_in_block
 
     @property
     def device_bytes(self) -> float:
-        """What a device holds at the block's peak: the model's state at rest plus this
-        block's input, output and temporaries (its weights and gradients are part of
-        the state, so they are not counted twice)."""
-        weights = self.memory.arguments - self.input_bytes
-        at_rest_in_block = weights + (self.memory.outputs - self.input_bytes)
-        return self.state_bytes + self.memory.peak - at_rest_in_block
+        """What a device holds at the whole step's peak (`StepMemory.total`); without
+        a step, the MoE layers' state at rest plus this block's peak."""
+        if self.step is None:
+            return self.state_bytes + self.block_transient
+        return self.step.total(self.block_transient)
+
+    @property
+    def device_breakdown(self) -> dict | None:
+        return None if self.step is None else self.step.breakdown(self.block_transient)
 
     @property
     def name(self) -> str:
@@ -125,11 +153,16 @@ class Estimate:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("step", None)  # shown as device_breakdown
         d["strategy"] = self.strategy.value
         d["exchange"] = self.exchange.value
         d["name"] = self.name
         d["device_bytes"] = self.device_bytes
+        d["device_breakdown"] = self.device_breakdown
         d["memory"]["peak"] = self.memory.peak
+        d["traffic"]["network"] = self.traffic.network
+        d["traffic"]["weights_bytes"] = self.traffic.weights_bytes
+        d["traffic"]["rows_bytes"] = self.traffic.rows_bytes
         return d
 
 
@@ -255,6 +288,10 @@ def estimate(
     activations = temp_from_parts(key, activation_parts(counts))
     moved = traffic(strategy, place.exchange, p, memory, rounds, activations)
     hw = cfg.hardware
+    # Training's backward runs each expert matmul twice more (input gradient, weight
+    # gradient) over the same tiles: Pallas's gmm walks the forward's tiles again and
+    # tgmm only adds visits to empty groups, which skip the dot; tiled_gmm's weight
+    # gradient walks the forward's tile plan per expert (selector.tiles).
     flops = forward_flops(strategy, p) * p.passes
     parts = (
         flops / (hw.peak_bf16_tflops * 1e12),
@@ -267,10 +304,13 @@ def estimate(
     factor = time_factor(cfg, key)
     parts = tuple(t * factor for t in parts)
     state = state_bytes(cfg, p, rest)
+    moe_weights = rest * max(cfg.num_moe_layers, 1)
+    step = step_memory(cfg, mesh, dev, state, moe_weights)
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,
         flops=flops,
+        rows=rows(strategy, p),
         memory=memory,
         state_bytes=state,
         traffic=moved,
@@ -279,6 +319,7 @@ def estimate(
         time_parts=parts,
         fits=True,
         input_bytes=p.T * p.M * p.xb,
+        step=step,
     )
     return with_memory(est, memory, hw.memory_gib)
 

@@ -62,6 +62,9 @@ class Finding:
     fixes: tuple[Fix, ...] = ()  # verified overrides, each removing this finding
     tail: str = ""  # advice after the fixes (appended to the message once verified)
     base: str = ""  # the message before its fixes were spelled into it
+    # Why no override can clear it (said when no fix survives the check): every error
+    # offers a fix that works or says why there is none.
+    no_fix: str = ""
 
     def __str__(self) -> str:
         return f"[{self.severity.value}] {self.code} ({self.setting}): {self.message}"
@@ -73,6 +76,7 @@ class Finding:
             "setting": self.setting,
             "message": self.message,
             "fixes": [f.render() for f in self.fixes],
+            **({"no_fix": self.no_fix} if self.no_fix and not self.fixes else {}),
         }
 
     def with_fixes(self, verified: tuple[Fix, ...]) -> Finding:
@@ -82,9 +86,13 @@ class Finding:
         text = base
         if verified:
             text += " Fix: " + "; or ".join(f.text() for f in verified) + "."
+        elif self.no_fix:
+            text += " " + self.no_fix
         if self.tail:
             text += " " + self.tail
-        return Finding(self.code, self.severity, self.setting, text, verified, self.tail, base)
+        return Finding(
+            self.code, self.severity, self.setting, text, verified, self.tail, base, self.no_fix
+        )
 
 
 def shown(text, limit: int = 120) -> str:
@@ -94,8 +102,11 @@ def shown(text, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
-def error(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:
-    return Finding(code, Severity.error, setting, message, tuple(fixes), tail)
+def error(
+    code: str, setting: str, message: str, fixes=(), tail: str = "", no_fix: str = ""
+) -> Finding:
+    """An error finding: `fixes` to try, or `no_fix` saying why no override can help."""
+    return Finding(code, Severity.error, setting, message, tuple(fixes), tail, "", no_fix)
 
 
 def warning(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import MESH_AXES, Config
-from .findings import Finding, error, warning
+from .findings import Finding, error, fix, warning
 
 MAX_DEVICES = 1 << 24  # far beyond any machine; keeps the arithmetic meaningful
 ROLES = ("batch", "sequence", "experts", "hidden", "embed")
@@ -89,6 +89,7 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
                     f"{tier}_{axis}_parallelism={size}: an axis size must be a positive "
                     "integer, or -1 to fill the remaining devices. Set it to 1 to leave "
                     "the axis unused.",
+                    [fix(**{f"{tier}_{axis}_parallelism": 1})],
                 )
             )
             return None
@@ -101,6 +102,10 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
                 f"{tier}_{fill[0]}_parallelism",
                 f"{names} are all -1; at most one {tier} axis may fill the remaining "
                 "devices. Give the others explicit sizes.",
+                [
+                    fix(f"{keep} fills", **{f"{tier}_{a}_parallelism": 1 for a in fill if a != keep})
+                    for keep in fill
+                ],
             )
         )
         return None
@@ -113,6 +118,8 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
                     "num_devices",
                     f"{tier}_{fill[0]}_parallelism=-1 fills the remaining devices, but "
                     "the device count is unknown. Set num_devices=N (or pass a live mesh).",
+                    no_fix="No value is offered: the device count is the machine's, which "
+                    "the config does not say.",
                 )
             )
             return None
@@ -124,11 +131,39 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
                     f"The other {tier} axes multiply to {fixed}, which does not divide the "
                     f"{devices} devices {tier}_{fill[0]}_parallelism=-1 must fill. Make the "
                     f"product of the {tier} axes divide {devices}.",
+                    _dividing_sizes(cfg, tier, sizes, devices),
                 )
             )
             return None
         sizes[fill[0]] = devices // fixed
     return sizes
+
+
+def _divisors(n: int, near: int) -> list[int]:
+    """The divisors of `n` just below and just above `near` (those that exist)."""
+    below = [d for d in range(min(near, n), 0, -1) if n % d == 0][:1]
+    above = [d for d in range(near + 1, n + 1) if n % d == 0][:1]
+    return below + above
+
+
+def _dividing_sizes(cfg: Config, tier: str, sizes: dict, devices: int) -> list:
+    """Each explicit axis resized, down or up, so the tier's product divides `devices`;
+    a sequence axis also with the per-device batch scaled so each batch shard keeps its
+    sequences (the fill axis shrinks as it grows)."""
+    fixes = []
+    for axis, size in sizes.items():
+        if size <= 1:
+            continue
+        others = math.prod(s for a, s in sizes.items() if s != -1 and a != axis)
+        if devices % others:
+            continue
+        for new in _divisors(devices // others, size):
+            knob = {f"{tier}_{axis}_parallelism": new}
+            fixes.append(fix(**knob))
+            if axis in cfg.axis_rules.sequence and new > 1:
+                batch = cfg.per_device_batch_size / new
+                fixes.append(fix(f"{new} sequence shards", **knob, per_device_batch_size=batch))
+    return fixes
 
 
 def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
@@ -151,6 +186,9 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
                 "num_devices",
                 f"num_devices={cfg.num_devices} must be an integer from 1 to {MAX_DEVICES:,} "
                 "(or unset to derive it from the mesh).",
+                [fix("derived from the mesh", num_devices=None)],
+                no_fix="No value is offered: the device count is the machine's, which "
+                "the config does not say.",
             )
         )
         return None, findings, {}
@@ -163,6 +201,7 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
                     "num_slices",
                     f"num_devices={cfg.num_devices} is not divisible by "
                     f"num_slices={cfg.num_slices}. Every slice holds the same devices.",
+                    [fix(num_slices=n) for n in _divisors(cfg.num_devices, cfg.num_slices)],
                 )
             )
             return None, findings, {}
@@ -173,6 +212,13 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
         return None, findings, {}
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
     total = math.prod(sizes.values())
+    # A dcn product that is not num_slices also breaks the device count: one set of
+    # fixes for both findings.
+    dcn_fixes = [fix(num_slices=math.prod(dcn.values()))] + [
+        fix(**{f"dcn_{a}_parallelism": 1})
+        for a, n in dcn.items()
+        if n > 1 and cfg.parallelism("dcn", a) != -1
+    ]
     if math.prod(dcn.values()) != cfg.num_slices:
         findings.append(
             error(
@@ -180,6 +226,7 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
                 "num_slices",
                 f"The dcn axes multiply to {math.prod(dcn.values())} but num_slices="
                 f"{cfg.num_slices}. Make the dcn_*_parallelism product equal num_slices.",
+                dcn_fixes,
             )
         )
     if cfg.num_devices is not None and total != cfg.num_devices:
@@ -191,6 +238,15 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
                 f"The mesh ({shown}) holds {total} devices but num_devices="
                 f"{cfg.num_devices}. Change the ici_/dcn_*_parallelism sizes so they "
                 f"multiply to {cfg.num_devices}, or set one of them to -1.",
+                [
+                    *(
+                        fix(f"{a} fills the {cfg.num_devices} devices", **{f"ici_{a}_parallelism": -1})
+                        for a, n in ici.items()
+                        if n > 1
+                    ),
+                    fix(f"the mesh as written, on {total} devices", num_devices=total),
+                    *(dcn_fixes if math.prod(dcn.values()) != cfg.num_slices else ()),
+                ],
             )
         )
     return sizes, findings, dcn
@@ -209,6 +265,7 @@ def mesh_from_live(shape: Mapping[str, int]) -> tuple[dict, list[Finding]]:
                     f"The mesh axis '{axis}' has size {size!r}; every axis of a mesh holds "
                     "a positive whole number of devices. Build the mesh with sizes >= 1 "
                     "(layers.make_mesh), dropping an axis rather than giving it 0.",
+                    no_fix="No setting can change it: a live mesh's sizes are read as they are.",
                 )
             )
             continue
@@ -243,6 +300,7 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                         f"axis_rules.{role}",
                         f"axis_rules.{role} names '{axis}', which is not a mesh axis "
                         f"({', '.join(known_axes)}). Remove it or fix its spelling.",
+                        [_without(role, listed, {axis})],
                     )
                 )
         twice = sorted({a for a in listed if listed.count(a) > 1})
@@ -253,6 +311,7 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                     f"axis_rules.{role}",
                     f"axis_rules.{role} lists {', '.join(twice)} more than once; a mesh axis "
                     "can split a dimension only once. List each axis once.",
+                    [fix(**{f"axis_rules__{role}": list(dict.fromkeys(listed))})],
                 )
             )
     both = sorted(set(rules.batch) & set(rules.sequence))
@@ -264,6 +323,7 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                 f"{', '.join(both)} shard both the batch and the sequence; an axis can "
                 "shard one token dimension. Remove it from axis_rules.batch or "
                 "axis_rules.sequence.",
+                [_without(r, getattr(rules, r), set(both)) for r in ("sequence", "batch")],
             )
         )
     tokens = set(rules.batch) | set(rules.sequence)
@@ -277,6 +337,7 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                 "the block sums the hidden slices over an axis whose devices hold the same "
                 "tokens, so it cannot also split them. Remove it from axis_rules.hidden "
                 "(the tokens stay split) or from the token roles.",
+                [_without("hidden", rules.hidden, set(split_twice))],
             )
         )
     for weight, roles in (("expert weights", ("experts", "embed", "hidden")),):
@@ -291,6 +352,7 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                             f"'{axis}' shards two dimensions of the {weight} (axis_rules."
                             f"{seen[axis]} and axis_rules.{role}); a mesh axis can split one "
                             f"dimension of an array. Remove it from one of them.",
+                            [_without(r, getattr(rules, r), {axis}) for r in (seen[axis], role)],
                         )
                     )
                 seen.setdefault(axis, role)
@@ -305,9 +367,21 @@ def axis_rule_findings(cfg: Config, sizes: Mapping[str, int]) -> list[Finding]:
                 "the block would gather the weights over devices that hold the same tokens "
                 "and compute the same thing on each. Add it to axis_rules.batch or "
                 "axis_rules.sequence, or remove it from axis_rules.experts / axis_rules.embed.",
+                [
+                    fix(axis_rules__batch=[*rules.batch, *idle]),
+                    fix(
+                        axis_rules__experts=[a for a in rules.experts if a not in idle],
+                        axis_rules__embed=[a for a in rules.embed if a not in idle],
+                    ),
+                ],
             )
         )
     return findings
+
+
+def _without(role: str, listed, axes: set):
+    """The fix that drops `axes` from axis_rules.`role`."""
+    return fix(**{f"axis_rules__{role}": [a for a in listed if a not in axes]})
 
 
 def build_mesh_view(cfg: Config, live_shape: Mapping[str, int] | None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Exchange
+from .config import Config, Exchange, ExpertGroup, Mode
 from .mesh import MeshView
 
 
@@ -57,27 +57,60 @@ def gathered(mesh: MeshView, num_experts: int) -> WeightPlacement:
     )
 
 
-def expert_group(mesh: MeshView, fold_sequence: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(group axes, folded sequence axes): the expert axes, then the sequence axes of
-    size > 1 when folding. Every group axis shards the tokens, so no row is sent twice."""
+@dataclass(frozen=True)
+class GroupAxes:
+    """The expert group an exchange would use: the one answer to which axes it folds."""
+
+    axes: tuple[str, ...]  # the group: expert axes that split the tokens, then any folded
+    folded: tuple[str, ...]  # sequence axes folded in
+    left_out: str = ""  # why sequence axes of size > 1 stay out of the group ("" if none do)
+
+
+def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
+    """The expert group for `cfg` on `mesh`, decode included. Every group axis must split
+    the tokens, or the same rows would travel twice. The sequence axes join when
+    expert_group asks for them, or (auto) when the larger group still splits
+    num_experts evenly; never at decode, where the one new token per sequence is not
+    split by them. Policy, rules and report all read this, so they cannot disagree."""
     token_axes = set(mesh.batch_axes) | set(mesh.sequence_axes)
     experts = tuple(a for a in _present(mesh, mesh.expert_axes) if a in token_axes)
-    folded = _present(mesh, mesh.sequence_axes) if fold_sequence else ()
-    return experts + tuple(a for a in folded if a not in experts), folded
+    sequence = tuple(a for a in _present(mesh, mesh.sequence_axes) if a not in experts)
+    if not sequence:
+        return GroupAxes(experts, ())
+    named = " x ".join(f"{a}={mesh.size(a)}" for a in sequence)
+    if cfg.mode is Mode.decode:
+        return GroupAxes(
+            experts,
+            (),
+            f"at mode=decode each sequence feeds one new token, which the sequence axes "
+            f"({named}) do not split, so they cannot join the expert group",
+        )
+    if cfg.expert_group is ExpertGroup.expert:
+        return GroupAxes(experts, (), f"expert_group=expert leaves the sequence axes ({named}) out")
+    folded = experts + sequence
+    if cfg.expert_group is ExpertGroup.auto and cfg.num_experts % mesh.product(folded):
+        return GroupAxes(
+            experts,
+            (),
+            f"expert_group=auto leaves the sequence axes ({named}) out, since with them the "
+            f"group of {mesh.product(folded)} devices would not split num_experts="
+            f"{cfg.num_experts}",
+        )
+    return GroupAxes(folded, sequence)
 
 
-def exchanged(mesh: MeshView, num_experts: int, fold_sequence: bool) -> WeightPlacement:
+def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:
     """Weights rest on the expert group (E / group experts each) and rows are exchanged."""
-    group, folded = expert_group(mesh, fold_sequence)
-    size = mesh.product(group)
+    group = exchange_group(cfg, mesh)
+    size, num_experts = mesh.product(group.axes), cfg.num_experts
     return WeightPlacement(
         exchange=Exchange.all_to_all,
-        experts_axes=group,
-        embed_axes=_present(mesh, tuple(a for a in mesh.embed_axes if a not in group)),
+        experts_axes=group.axes,
+        embed_axes=_present(mesh, tuple(a for a in mesh.embed_axes if a not in group.axes)),
         hidden_axes=_present(mesh, mesh.hidden_axes),
-        group_axes=group,
+        group_axes=group.axes,
         experts_per_device=num_experts // size if size and num_experts % size == 0 else 0,
-        folded_axes=folded,
+        folded_axes=group.folded,
     )
 
 

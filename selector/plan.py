@@ -237,7 +237,7 @@ def _analyse(
 ) -> tuple[DispatchPlan | None, list[Finding]]:
     """analyse without checking the proposed fixes."""
     findings: list[Finding] = []
-    for rule in rules.SETTINGS_RULES:
+    for rule in (*rules.SETTINGS_RULES, *rules.MODEL_RULES):
         findings += rule(cfg)
     mesh, mesh_findings = build_mesh_view(cfg, live_shape)
     findings += mesh_findings

@@ -18,10 +18,10 @@ An explicit `dispatch=` or `expert_exchange=` is always honoured (and validated)
 
 from __future__ import annotations
 
-from .config import Config, Dispatch, Exchange, ExpertGroup, Mode
+from .config import Config, Dispatch, Exchange
 from .cost import Estimate
 from .mesh import MeshView
-from .placement import WeightPlacement, exchanged, expert_group, gathered
+from .placement import WeightPlacement, exchanged, gathered
 from .problem import gmm_backend as gmm_backend
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
@@ -40,27 +40,16 @@ def exchange_backend(cfg: Config) -> str:
     return "all_to_all" if cfg.hardware.platform == "cpu" else "ragged_all_to_all"
 
 
-def fold_sequence(cfg: Config, mesh: MeshView) -> bool:
-    """Whether the sequence axes join the expert group (auto: when E divides evenly).
-    Never at decode: the one new token per sequence is not split by them, and a group
-    axis must split the tokens or the same rows would travel twice."""
-    if cfg.expert_group is ExpertGroup.expert or cfg.mode is Mode.decode:
-        return False
-    if cfg.expert_group is ExpertGroup.expert_and_sequence:
-        return True
-    group, _ = expert_group(mesh, fold_sequence=True)
-    return cfg.num_experts % mesh.product(group) == 0
-
-
 def exchange_candidates(
     cfg: Config, mesh: MeshView, strategy: Dispatch
 ) -> dict[Exchange, WeightPlacement]:
     """The placements the block can run for `strategy` (an explicit expert_exchange
     narrows them): gathered always; exchanged for megablox when some token axis forms
-    an expert group that splits num_experts evenly."""
+    an expert group that splits num_experts evenly (placement.exchange_group says which
+    axes form it)."""
     options = {Exchange.gather: gathered(mesh, cfg.num_experts)}
     if strategy is Dispatch.megablox:
-        ep = exchanged(mesh, cfg.num_experts, fold_sequence(cfg, mesh))
+        ep = exchanged(cfg, mesh)
         if ep.group_axes and ep.experts_per_device:
             options[Exchange.all_to_all] = ep
     if cfg.expert_exchange in options:

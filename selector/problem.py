@@ -3,6 +3,7 @@ sizes, dtypes, how the weights are split, and the rows each expert FFN processes
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -10,21 +11,13 @@ from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Mode
 from .mesh import MeshView
 from .per_device import PerDevice
 from .placement import WeightPlacement
+from .plan_sizes import exchange_buffer_rows, shared_width
+from .tiles import exchanged_calls, gathered_calls, kernel_rows, routed_rows
 
-ROUND_ALIGN = 8  # exchange buffers hold a multiple of 8 rows per owner (as the layers)
-# Rows each backend computes past the last full tile of an expert's group: the Pallas
-# kernels work in 128-row tiles; tiled_gmm computes its masked tail as one 64-row tile.
+# Row tile of each backend. The Pallas kernels and tiled_gmm are counted from their own
+# tile plans (selector.tiles); ragged_dot on TPU is XLA's lowering, whose plan we have
+# not read, so it is priced at half a 128-row tile per expert.
 GMM_TAIL_ROWS = {"pallas_megablox": 128, "ragged_dot": 128, "tiled_gmm": 64}
-
-
-def shared_width(shared_experts: int, hidden: float, gated: bool) -> float:
-    """The shared experts' hidden width, as MaxText 0.2.5 builds them (read in its
-    source): RoutedAndSharedMoE (DeepSeek) one MlpBlock of shared_experts x the expert
-    width; Qwen3-Next's gated shared expert one MlpBlock of the expert width, whatever
-    shared_experts > 0 says (models/qwen3.py: intermediate_dim=cfg.moe_mlp_dim)."""
-    if shared_experts <= 0:
-        return 0
-    return hidden if gated else shared_experts * hidden
 
 
 def gmm_backend(cfg: Config) -> str:
@@ -67,7 +60,7 @@ class DeviceProblem:
     xb: int  # bytes per element of the compute dtype
     pb: int  # bytes per element of the parameters
     passes: int  # 3 when training (forward plus a backward of about twice its cost)
-    tile: int  # rows computed past an expert's last full tile (its masked tail)
+    tile: int  # row tile of the grouped matmul (half of it priced per expert: ragged_dot)
     gmm_dense: bool  # the grouped matmul computes every group on every row
     buffer_factor: float
     ragged: bool  # the exchange sends exactly the rows (no padding to B)
@@ -80,6 +73,7 @@ class DeviceProblem:
     replicas_dcn: int = 1
     hidden_shards: int = 1
     hidden_dcn: int = 1
+    kernel: str = "tiled_gmm"  # the grouped-matmul backend (gmm_backend)
 
 
 def problem_shape(
@@ -127,6 +121,7 @@ def problem_shape(
         replicas_dcn=mesh.dcn_product(replica_axes),
         hidden_shards=mesh.product(place.hidden_axes),
         hidden_dcn=mesh.dcn_product(place.hidden_axes),
+        kernel=gmm_backend(cfg),
     )
 
 
@@ -153,26 +148,34 @@ def exchange_split(rows_bytes: float, group: int, slices: int) -> tuple[float, f
     return ici, dcn
 
 
-def exchange_buffer_rows(rows: float, group: int, buffer_factor: float) -> int:
-    """B: rows a device may send each owner per round, `buffer_factor` x the even share
-    of its `rows`, rounded up to a multiple of ROUND_ALIGN. The one formula: the layers
-    size their buffers with it and the cost model prices them with it."""
-    share = buffer_factor * rows / group
-    return max(ROUND_ALIGN, ROUND_ALIGN * math.ceil(share / ROUND_ALIGN - 1e-9))
-
-
 def buffer_rows(p: DeviceProblem) -> float:
     """B for the per-device problem (routed rows T x k over the expert group)."""
     return exchange_buffer_rows(p.T * p.k, p.group, p.buffer_factor)
 
 
+@functools.lru_cache(maxsize=1024)
+def kernel_rows_uniform(kernel: str, routed: int, experts: int, group: int, buffer: int) -> int:
+    """Rows `kernel` computes on a device under uniform routing: one call over the
+    device's `routed` rows (group 1, gathered), or one call per exchange slot of
+    `buffer` rows (`group` > 1). Cached: every candidate and every fix prices it."""
+    if group > 1:
+        calls = exchanged_calls(routed, experts, group, buffer)
+    else:
+        calls = gathered_calls(routed, experts)
+    return kernel_rows(kernel, calls)
+
+
 def rows(strategy: Dispatch, p: DeviceProblem) -> float:
-    """Rows each expert FFN processes per device, summed over experts."""
+    """Rows each expert matmul computes per device, summed over experts, padding
+    included (the grouped matmuls' tiles, counted from their tile plans)."""
     if strategy is Dispatch.mlp:
         return p.T
     if strategy is Dispatch.megablox:
         if p.gmm_dense:
             return p.T * p.k * p.E_c
+        if p.kernel in ("pallas_megablox", "tiled_gmm"):
+            routed = routed_rows(p.T, p.k)
+            return float(kernel_rows_uniform(p.kernel, routed, p.E, p.group, int(buffer_rows(p))))
         # Each expert's last tile is computed whole: on average half a tile each.
         return p.T * p.k + min(p.E_c, p.T * p.k) * p.tile / 2
     if strategy is Dispatch.dense:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import textwrap
 
+from .architecture import model_params
+from .checked import MeasureCheck
 from .config import Config
 from .findings import Finding, errors_in
-from .measure_mode import MeasureCheck
 from .per_device import is_whole
 from .plan import DispatchPlan
 
@@ -110,17 +111,20 @@ def render_text(
                 else "dropless (capacity_factor <= 0)"
             ),
             "",
-            "Candidates (per device, one MoE layer, one step; device = every MoE layer's",
-            "state at rest + this block's peak)",
-            f"  {'candidate':<21} {'TFLOP':>7} {'block GiB':>9} {'device GiB':>10}"
-            f" {'network GB':>10} {'est ms':>8} {'fits':>5}  verdict",
+            "Candidates (per device, one step; block = one MoE layer's program, device = the",
+            "whole training step's peak with this block: see 'Whole step' below)",
+            f"  {'candidate':<21} {'TFLOP':>7} {'rows':>10} {'block GiB':>9} {'device GiB':>10}"
+            f" {'network GB':>10} {'weights GB':>10} {'rows GB':>8} {'est ms':>8} {'fits':>5}"
+            "  verdict",
         ]
         for c in plan.candidates:
             e = c.estimate
             mark = "*" if c.chosen else " "
             lines.append(
-                f"{mark} {c.name:<21} {e.flops / 1e12:>7.3g} {e.memory.peak / 2**30:>9.3g} "
+                f"{mark} {c.name:<21} {e.flops / 1e12:>7.3g} {_n(e.rows):>10} "
+                f"{e.memory.peak / 2**30:>9.3g} "
                 f"{e.device_bytes / 2**30:>10.3g} {e.traffic.network / 1e9:>10.3g} "
+                f"{e.traffic.weights_bytes / 1e9:>10.3g} {e.traffic.rows_bytes / 1e9:>8.3g} "
                 f"{e.time_s * 1e3:>8.3g} {'yes' if e.fits else 'NO':>5}  {c.verdict}"
             )
         lines += [
@@ -143,6 +147,7 @@ def render_text(
                 else []
             ),
             _wrap(f"expert weights: {plan.expert_weights}", "  "),
+            *render_step(cfg, plan),
         ]
     if compiled is not None:  # a compile check, or a measure check
         measured = isinstance(compiled, MeasureCheck)
@@ -173,6 +178,7 @@ def render_json(
         "overrides": overrides,
         "ok": not errors_in(findings),
         "model_name": cfg.model_name,
+        "model": model_params(cfg).as_dict(),
         "hardware": cfg.hardware.name,
         "mode": cfg.mode.value,
         "plan": plan.as_dict() if plan is not None else None,
@@ -185,3 +191,42 @@ def render_json(
             compiled.as_dict()
         )
     return json.dumps(payload, sort_keys=True)
+
+
+def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
+    """The whole model's size and what a device holds for the chosen candidate's step."""
+    params = model_params(cfg)
+    lines = [
+        "",
+        _wrap(
+            f"Model: {params.total / 1e9:.4g}B parameters, {params.active / 1e9:.4g}B active "
+            f"a token ({params.moe_layers} MoE and {params.dense_layers} dense layers, "
+            f"vocabulary {cfg.vocab_size:,}; remat_policy {cfg.remat_policy}, "
+            f"num_vocab_tiling {cfg.num_vocab_tiling})",
+            "",
+        ),
+    ]
+    parts = plan.chosen_estimate.device_breakdown
+    if parts is None:
+        return lines
+    shown = [(name, parts[name]) for name in STEP_ROWS if parts.get(name, 0) > 0]
+    lines.append(f"Whole step on a device ({plan.chosen_estimate.name}), GiB:")
+    lines += [f"  {name.replace('_', ' '):<22} {value / 2**30:>9.3g}" for name, value in shown]
+    lines += [
+        f"  {'peak':<22} {parts['total'] / 2**30:>9.3g}  (what rests + what is saved + the",
+        f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block)",
+    ]
+    return lines
+
+
+STEP_ROWS = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "kv_cache",
+    "saved_activations",
+    "logits",
+    "attention_peak",
+    "moe_block",
+    "dense_ffn_peak",
+)

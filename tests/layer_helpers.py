@@ -10,7 +10,7 @@ from reference import reference_choices, reference_keep, reference_moe
 
 import layers
 import selector
-from layers.compiled import block_forward, compile_fwd_bwd
+from layers.programs import block_forward, compile_fwd_bwd
 
 
 def build(

@@ -15,7 +15,7 @@ import pytest
 from subproc import ROOT
 
 import selector
-from selector.compile_mode import check
+from checks.compile_mode import check
 
 SMALL = [
     "model=tiny",
@@ -35,7 +35,7 @@ def small(*more: str) -> selector.Config:
 @pytest.fixture(scope="module")
 def compiled_small(jax_cpu8):
     """The small config's check, with every compile it made recorded."""
-    from layers.compiled import compile_candidate
+    from checks.compiled import compile_candidate
 
     made = {}
 
@@ -53,7 +53,7 @@ def test_chosen_and_runner_up_compiled_with_xla_numbers(compiled_small, jax_cpu8
     from flax import nnx
 
     import layers
-    from layers.compiled import compile_fwd_bwd
+    from layers.programs import compile_fwd_bwd
 
     plan, findings, result, made = compiled_small
     assert len(result.compiled) == 2 and not result.changed
@@ -111,7 +111,7 @@ def test_compiled_program_that_does_not_fit_is_an_error(compiled_small):
 
 
 def _real(config, strategy, exchange):
-    from layers.compiled import compile_candidate
+    from checks.compiled import compile_candidate
 
     return compile_candidate(config, strategy, exchange)
 
@@ -122,7 +122,7 @@ def test_missing_plugin_exits_2_naming_the_extra(monkeypatch, capsys):
     def unavailable(config, live_shape=None, **_):
         raise targets.TargetUnavailable('install it with pip install "moe-cp[tpu]"')
 
-    monkeypatch.setattr("selector.compile_mode.check", unavailable)
+    monkeypatch.setattr("selector.cli.check_mode", lambda name: unavailable)
     assert cli.main(["model=tiny", "compile=true"]) == 2
     err = capsys.readouterr().err
     assert "moe-cp[tpu]" in err and "Traceback" not in err

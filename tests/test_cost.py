@@ -6,6 +6,7 @@ from helpers import typed
 
 import selector
 from selector import Dispatch, Exchange
+from selector.plan_sizes import exchange_buffer_rows
 from selector.problem import exchange_split, link_split
 
 
@@ -134,7 +135,8 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     the context devices to fsdp keeps the global batch and the weights split; moving
     them to data keeps the global batch but replicates the weights the context axis was
     sharding; lowering the batch leaves a device lightest. Lightest first, each saying
-    what a device then holds, the replicating move last at over 3x the others."""
+    what a device then holds, the replicating move last at over 2.5x the others (the
+    whole step's logits and saved activations do not grow with the replication)."""
     cfg = typed(
         "model=qwen3_next_80b_a3b",
         "mesh=v5p_128",
@@ -148,7 +150,7 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     assert to_fsdp.render() == "ici_fsdp_parallelism=64 ici_context_parallelism=1"
     assert "ici_data_parallelism=4" in to_data.render()
     held = [float(x.note.split("a device then holds ")[1].split(" GiB")[0]) for x in f.fixes]
-    assert held == sorted(held) and held[1] * 3 < held[2]
+    assert held == sorted(held) and held[1] * 2.5 < held[2]
 
 
 def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too():
@@ -207,3 +209,101 @@ def test_tpu_time_terms_take_the_constants_counted_on_xla_tpu():
             (coef["compute"] * compute + coef["step"], coef["hbm"] * hbm, coef["network"] * network)
         )
         assert coef["hbm"] > 1  # XLA counts every fused op's operands: more than the model
+
+
+BIG_PRESETS = {  # docs/design.md's "What it picks for the big presets"
+    "qwen3_next_80b_a3b": ("mode=train",),
+    "deepseek_v3": ("mode=prefill",),
+}
+
+
+@pytest.mark.parametrize("model", sorted(BIG_PRESETS))
+def test_traffic_names_weights_and_rows_apart(model):
+    """Every candidate's network bytes are its weights' bytes (gathered, gradients
+    reduced) plus its rows' bytes (exchanged, partial outputs summed), and the JSON says
+    both. The exchange's row bytes are the routed rows it sends to the other members of
+    its group (exactly the rows on TPU, where the transport is ragged): forward rows
+    there and results back, training also the rows' and outputs' cotangents there and
+    the inputs' back (5 row-widths in all)."""
+    cfg = typed(
+        f"model={model}",
+        "mesh=v5p_128",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=8192",
+        *BIG_PRESETS[model],
+    )
+    plan = selector.resolve(cfg)
+    for c in plan.candidates:
+        t = c.estimate.traffic
+        assert t.weights_bytes + t.rows_bytes == pytest.approx(t.network), c.name
+        d = c.estimate.as_dict()["traffic"]
+        assert (d["weights_bytes"], d["rows_bytes"]) == (t.weights_bytes, t.rows_bytes)
+    gather = _candidate(plan, Dispatch.megablox)
+    exchange = _candidate(plan, Dispatch.megablox, Exchange.all_to_all)
+    assert gather.traffic.rows_bytes == 0 and gather.traffic.weights_bytes > 0
+    placement = plan.candidate(Dispatch.megablox, Exchange.all_to_all).placement
+    group = cfg.num_experts // placement.experts_per_device
+    rows = plan.per_device.tokens_per_device * cfg.num_experts_per_tok
+    widths = 5 if cfg.mode.value == "train" else 2
+    assert cfg.dtype == "bfloat16"
+    sent = rows * (1 - 1 / group) * cfg.base_emb_dim * 2 * widths
+    assert exchange.traffic.rows_bytes == pytest.approx(sent)
+    # The exchange still gathers its experts' weights over fsdp: most of what it moves.
+    assert exchange.traffic.weights_bytes > exchange.traffic.rows_bytes > 0
+
+
+def test_a_padded_exchange_sends_its_whole_buffers():
+    """On CPU the exchange is a plain all_to_all of (G, B) slots, padding included:
+    every round sends B rows to each of the G - 1 other members."""
+    cfg = typed("model=tiny", "mesh=cpu_8", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4")
+    plan = selector.resolve(cfg)
+    cand = plan.candidate(Dispatch.megablox, Exchange.all_to_all)
+    est = cand.estimate
+    group = cfg.num_experts // cand.placement.experts_per_device
+    rows = plan.per_device.tokens_per_device * cfg.num_experts_per_tok
+    buffer = exchange_buffer_rows(rows, group, cfg.expert_buffer_factor)
+    widths = 5 if cfg.mode.value == "train" else 2
+    xb = {"float32": 4, "bfloat16": 2}[cfg.dtype]
+    sent = group * buffer * est.rounds * (1 - 1 / group) * cfg.base_emb_dim * xb * widths
+    assert group > 1 and est.traffic.exchange == pytest.approx(sent)
+    assert est.traffic.rows_bytes == pytest.approx(sent + est.traffic.tensor_reduce)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (
+            "model=mixtral_8x7b",
+            "mesh=h200_8",
+            "mode=prefill",
+            "ici_tensor_parallelism=8",
+            "ici_fsdp_parallelism=1",
+            "per_device_batch_size=0.125",
+            "max_target_length=32768",
+            "param_dtype=bfloat16",
+        ),
+        (
+            "model=qwen3_30b_a3b",
+            "hardware=v5p",
+            "num_devices=128",
+            "ici_fsdp_parallelism=64",
+            "num_slices=2",
+            "dcn_data_parallelism=2",
+            "max_target_length=4096",
+            "per_device_batch_size=1",
+        ),
+    ],
+    ids=["tensor", "two-slices"],
+)
+def test_weights_and_rows_add_to_the_network_bytes(overrides):
+    """With the hidden axes' partial outputs summed (rows) and gradients summed across
+    slices (weights), each term lands on its side."""
+    plan = selector.resolve(typed(*overrides))
+    for c in plan.candidates:
+        t = c.estimate.traffic
+        assert t.weights_bytes == pytest.approx(t.weight_gather + t.grad_reduce), c.name
+        assert t.rows_bytes == pytest.approx(t.exchange + t.tensor_reduce), c.name
+        assert t.weights_bytes + t.rows_bytes == pytest.approx(t.network), c.name
+    moved = [c.estimate.traffic for c in plan.candidates]
+    assert max(t.tensor_reduce for t in moved) > 0 or max(t.grad_reduce for t in moved) > 0

@@ -2,6 +2,8 @@
 included), one compiled step, state created sharded, and a rejected config stopping
 before anything compiles."""
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -187,3 +189,65 @@ def test_the_record_is_written_without_matplotlib(tmp_path, monkeypatch, capsys)
     paths = write_outputs(tmp_path, None, TrainSettings(), Plan(), history, 1.5)
     assert paths == [tmp_path / "run.json"] and (tmp_path / "run.json").is_file()
     assert "skipped loss.png" in capsys.readouterr().err
+
+
+PLUGIN_NOISE = (
+    "Unable to load CUDA",
+    "Jax plugin configuration error",
+    "cudart_stub",
+    "unexpected worker hostname",
+    "could not determine TPU accelerator type",
+    "absl::InitializeLog",
+)
+
+
+@pytest.fixture(scope="module")
+def cp4_command(tmp_path_factory):
+    """`python -m examples.train` at (data=2, context=4) for one step, started as a user
+    starts it: no JAX_PLATFORMS or XLA_FLAGS of the test session's."""
+    out_dir = tmp_path_factory.mktemp("train_cp4")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "MOE_CP_PLUGIN_LOGS")
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.train",
+            "ici_context_parallelism=4",
+            "per_device_batch_size=0.25",
+            "max_target_length=512",
+            "train.steps=1",
+            "train.plot=false",
+            f"hydra.run.dir={out_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_the_step_compiles_without_involuntary_rematerialization(cp4_command):
+    """From the embedding on, activations are born in the (batch, sequence) sharding: a
+    lookup that comes out split like the table makes XLA replicate the whole activation
+    to reshard it, and say so on stderr."""
+    assert cp4_command.returncode == 0, cp4_command.stderr[-3000:]
+    assert "train cp=4" in cp4_command.stderr  # the sequence really is split
+    assert "Involuntary full rematerialization" not in cp4_command.stderr
+
+
+def test_a_command_prints_no_compiler_plugin_noise(cp4_command):
+    """With the tpu/gpu extras installed, a jax start on a machine without accelerators
+    prints about 30 lines of plugin errors; the project's commands drop them."""
+    from selector.jax_start import PLUGINS, accelerator_present
+
+    installed = [p for p in PLUGINS if importlib.util.find_spec(p.replace("-", "_"))]
+    if not installed or accelerator_present():
+        pytest.skip("needs the tpu or gpu extra on a machine without accelerators")
+    assert cp4_command.returncode == 0, cp4_command.stderr[-3000:]
+    for line in PLUGIN_NOISE:
+        assert line not in cp4_command.stderr, cp4_command.stderr[:3000]

@@ -23,7 +23,7 @@ from layer_helpers import (
 )
 from reference import reference_choices, reference_moe
 
-from layers.compiled import compile_fwd_bwd
+from layers.programs import compile_fwd_bwd
 
 BATCH, SEQ = 8, 32
 EP = ("expert_exchange=all_to_all",)
@@ -173,7 +173,7 @@ def test_ragged_backend_lowers_to_ragged_all_to_all(jax_cpu8):
 
     import layers
     import selector
-    from layers.compiled import abstract_inputs, block_forward, fwd_bwd_loss
+    from layers.programs import abstract_inputs, block_forward, fwd_bwd_loss
 
     cfg = h100_ep_config(2, 256)
     plan = selector.resolve(cfg)  # no live mesh: the H100 platform stands

@@ -58,15 +58,18 @@ def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
         layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
 
 
-def test_block_rejects_inputs_its_plan_was_not_resolved_for(jax_cpu8):
+def test_block_refuses_inputs_no_plan_can_serve(jax_cpu8):
+    """Any (batch, sequence) the mesh divides is served (tests/test_layers_any_shape.py);
+    a sequence the mesh does not divide, or another embedding width, is refused with the
+    selector's finding and its fix."""
     cfg = selector.compose(
         ["model=tiny", "mesh=cpu_8", "per_device_batch_size=0.25", "ici_context_parallelism=4"]
     )
     model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="max_target_length=30 base_emb_dim=64"):
+    with pytest.raises(selector.ConfigError, match=r"SEQUENCE_NOT_DIVISIBLE.*max_target_length=32"):
         model(jnp.zeros((2, 30, 64)))
-    with pytest.raises(ValueError, match="per_device_batch_size=0.5 "):
-        model(jnp.zeros((4, 2048, 64)))
+    with pytest.raises(selector.ConfigError, match=r"INPUT_EMB_MISMATCH.*base_emb_dim=48"):
+        model(jnp.zeros((4, 2048, 48)))
 
 
 def test_parameter_names_and_shapes_follow_maxtext(jax_cpu8):

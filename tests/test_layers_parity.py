@@ -14,7 +14,7 @@ from layer_helpers import (
 )
 from reference import reference_choices, reference_keep, reference_moe
 
-from layers.compiled import block_forward
+from layers.programs import block_forward
 
 BATCH, SEQ = 8, 32
 STRATEGIES = ["dense", "megablox", "subgroup_capacity"]

@@ -120,7 +120,7 @@ def test_routed_bias_update_moves_load_towards_balance(jax_cpu8):
     over-loaded one's falls, one at the mean stays; applied step after step to a router
     whose bias starts skewed towards expert 0 (DeepSeek-V3 routing, where the bias only
     chooses), expert 0's load comes at least half-way back to the mean."""
-    from layers.compiled import block_forward
+    from layers.programs import block_forward
     from layers.router import update_routed_bias
 
     bias = jnp.zeros((4,), jnp.float32)

@@ -9,7 +9,7 @@ from hlo import classify, collectives, dot_flops
 from layer_helpers import build, compiled_fwd_bwd, weight_shapes
 
 from bench.flatten_baseline import flatten_block_forward
-from layers.compiled import compile_fwd_bwd
+from layers.programs import compile_fwd_bwd
 
 BATCH, SEQ, EMB = 2, 2048, 64
 CP1, CP4 = {"data": 2, "context": 1}, {"data": 2, "context": 4}

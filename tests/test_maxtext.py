@@ -331,14 +331,15 @@ def test_custom_mesh_and_rule_is_read_as_maxtext_reads_it(base):
 
 
 def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
-    """DeepSeek-V3 on 128 devices with base.yml's float32 weights: MEMORY_EXCEEDED. The
+    """DeepSeek-V3 on 128 devices with base.yml's float32 weights and 2 sequences of
+    2,048 tokens a device: the whole step (115 GiB) exceeds a v5p, MEMORY_EXCEEDED. The
     selector's own fix is param_dtype=bfloat16; on the MaxText route it is
     weight_dtype=bfloat16 (MaxText's key), and applying it on the same route clears the
     finding (exit 0, where the fix in our spelling exits 2: unknown MaxText key)."""
     from selector.cli import main
     from selector.maxtext import route_fixes
 
-    over = ["model_name=deepseek3-671b", "num_devices=128"]
+    over = ["model_name=deepseek3-671b", "num_devices=128", "per_device_batch_size=2"]
     imported = selector.from_maxtext(base, over)
     _, found = selector.api.analyse_any(imported.config)
     (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
@@ -407,7 +408,7 @@ def test_expert_shard_attention_option_is_explained(base, capsys):
 @pytest.mark.parametrize(
     "extra,spelled",
     [
-        ([], "has no setting known to give it"),
+        (["expert_exchange=all_to_all"], "has no setting known to give it"),
         (["ici_expert_parallelism=2", "ici_fsdp_parallelism=1"], "ici_expert_parallelism=2"),
         (["expert_exchange=gather"], "ici_expert_parallelism=1"),
     ],
@@ -429,11 +430,29 @@ def test_a_recommended_placement_names_the_maxtext_settings(base, extra, spelled
     plan, _ = selector.api.analyse_any(imported.config)
     reason = imported.explain_reason(plan.reason, plan)
     assert spelled in reason.replace("\n", " ")
-    if not extra:
+    if extra == ["expert_exchange=all_to_all"]:
         assert plan.placement.group_axes == ("context",)
         folded = selector.from_maxtext(base, [*over, "custom_mesh_and_rule=cp-as-ep"])
         _, found = selector.api.analyse_any(folded.config)
         assert "AXIS_RULE_WEIGHTS_OFF_TOKENS" in codes(found)
+
+
+def test_the_route_picks_what_maxtext_runs_and_shows_the_exchange_beside_it(base, capsys):
+    """Without an expert axis MaxText all-gathers the expert weights: the route's pick is
+    megablox/gather, while this project's exchange over the context devices, which
+    MaxText has no setting for, is shown as the alternative with its numbers."""
+    args = [
+        f"maxtext_config={base}",
+        "model_name=qwen3-next-80b-a3b",
+        "ici_context_parallelism=4",
+        "num_devices=64",
+        "per_device_batch_size=0.25",
+    ]
+    status, got = _route_json(args, capsys)
+    chosen = [c for c in got["plan"]["candidates"] if c["chosen"]]
+    assert status == 0 and [c["name"] for c in chosen] == ["megablox/gather"]
+    (note,) = [n for n in got["maxtext"]["notes"] if n.startswith("Alternative")]
+    assert "megablox/all_to_all" in note and "MaxText has no setting" in note
 
 
 def _route_json(args: list[str], capsys) -> tuple[int, dict]:
@@ -488,3 +507,27 @@ def test_route_fixes_pass_the_route_property(maxtext_dir, base, capsys, data):
             fixed_status, fixed = _route_json([*args, *fix_text.split()], capsys)
             assert fixed_status in (0, 1), (over, fix_text)
             assert finding["code"] not in {f["code"] for f in fixed["findings"]}, (over, fix_text)
+
+
+def test_maxtext_habits_positional_config_topology_and_model_file(maxtext_dir, capsys):
+    """MaxText's `train.py CONFIG key=value`: the config path positionally; its
+    ahead-of-time target compile_topology=v5p-16 (TensorCores: 8 chips) names the chips
+    priced; a model file given as the config is read with base.yml beneath it, as
+    model_name= would read it."""
+    base = str(maxtext_dir / "configs" / "base.yml")
+    model = str(maxtext_dir / "configs" / "models" / "qwen3-30b-a3b.yml")
+    common = ["compile_topology=v5p-16", "per_device_batch_size=1", "max_target_length=4096"]
+    status, positional = _route_json([base, "model_name=qwen3-30b-a3b", *common], capsys)
+    assert status == 0
+    assert positional["plan"]["per_device"]["num_devices"] == 8
+    assert positional["hardware"] == "v5p"
+    status, from_model = _route_json([model, *common], capsys)
+    assert status == 0
+    assert any("is a model file" in n for n in from_model["maxtext"]["notes"])
+    assert from_model["model"] == positional["model"]
+    assert from_model["model"]["params_total"] / 1e9 == pytest.approx(30.5, rel=0.03)
+    # A topology this check cannot price, and a model file with another model_name: exit 2.
+    assert main([base, "compile_topology=v5p-15"]) == 2
+    assert main([model, "model_name=mixtral-8x7b"]) == 2
+    assert main(["no/such/base.yml"]) == 2
+    assert "Traceback" not in capsys.readouterr().err

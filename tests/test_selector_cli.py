@@ -163,3 +163,51 @@ def test_a_closed_pipe_is_not_a_traceback():
         err = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+SWEEP_SMALL = ["model=tiny", "mesh=cpu_8", "ici_context_parallelism=1,2"]
+
+
+def test_multirun_ends_with_one_summary_line_per_job():
+    """The last lines of a sweep: a row a job with its exit status, its pick and what a
+    device holds, each as the job's own JSON report says, and its overrides."""
+    out = run("-m", *SWEEP_SMALL)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-4] == "=== summary: 2 job(s), exit status 1 (the worst job's)"
+    assert lines[-3].split()[:4] == ["job", "exit", "pick", "device"]
+    for job, (row, cp) in enumerate(zip(lines[-2:], (1, 2), strict=True)):
+        overrides = ["model=tiny", "mesh=cpu_8", f"ici_context_parallelism={cp}"]
+        alone = run(*overrides, "output=json")
+        report = json.loads(alone.stdout)
+        chosen = next(c for c in report["plan"]["candidates"] if c["chosen"])
+        errors = [f["code"] for f in report["findings"] if f["severity"] == "error"]
+        cells = row.split()
+        held = f"{chosen['device_bytes'] / 2**30:.3g}"
+        assert cells[:4] == [str(job), str(alone.returncode), chosen["name"], held], row
+        assert cells[4] == (",".join(errors) or "-") and cells[5:] == overrides, row
+    assert lines[-1].split()[4] == "LOCAL_BATCH_INFLATION"  # the job that fails says why
+
+
+def test_multirun_json_has_no_summary_table():
+    out = run("-m", *SWEEP_SMALL, "output=json")
+    assert [json.loads(line)["model_name"] for line in out.stdout.splitlines()] == ["tiny"] * 2
+
+
+def test_a_job_that_cannot_run_is_its_own_exit_2_and_the_sweep_goes_on(monkeypatch, capsys):
+    from selector import cli
+
+    real = cli.analysed
+
+    def fails_at_cp2(config):
+        if config.ici_context_parallelism == 2:
+            raise cli._Usage("compile=true could not compile for cpu (planted)")
+        return real(config)
+
+    monkeypatch.setattr(cli, "analysed", fails_at_cp2)
+    assert cli.main(["-m", *SWEEP_SMALL[:2], "ici_context_parallelism=1,2,4"]) == 2
+    out, err = capsys.readouterr()
+    assert "error: job 1: compile=true could not compile for cpu (planted)" in err
+    rows = out.rstrip().splitlines()[-3:]
+    assert [r.split()[:2] for r in rows] == [["0", "0"], ["1", "2"], ["2", "1"]]
+    assert rows[1].split()[2:4] == ["-", "-"] and "unusable input" in rows[1]

@@ -7,6 +7,13 @@ import selector
 from selector import Severity
 
 CP4 = ("ici_context_parallelism=4", "max_target_length=8192")
+# Decode with experts exchanged over expert=2 beside the decode axis (2 devices).
+DECODE_EP = (
+    "mode=decode",
+    "expert_exchange=all_to_all",
+    "ici_expert_parallelism=2",
+    "ici_context_autoregressive_parallelism=2",
+)
 
 # (code, severity, overrides that trigger it, near overrides that do not)
 CASES = [
@@ -231,6 +238,12 @@ CASES = [
             "num_experts=12",
             "per_device_batch_size=0.25",
         ),
+    ),
+    (
+        "EXPERT_GROUP_UNFOLDED",
+        "warning",
+        (*DECODE_EP, "expert_group=expert_and_sequence"),
+        (*DECODE_EP, "expert_group=expert"),
     ),
     (
         "ROUTING_GROUPS_INVALID",

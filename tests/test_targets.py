@@ -13,7 +13,8 @@ from hlo import collectives, dot_flops
 
 import layers
 import selector
-from layers.compiled import compile_plan
+from checks.compiled import compile_plan
+from checks.targets import devices
 from selector import targets
 
 EMB, HIDDEN, EXPERTS, TOP_K = 128, 384, 8, 2
@@ -35,7 +36,7 @@ BACKENDS = {
 
 def target_devices(platform: str):
     try:
-        return TARGETS[platform].devices()
+        return devices(TARGETS[platform])
     except targets.TargetUnavailable as exc:
         pytest.skip(str(exc))
 

@@ -60,6 +60,7 @@ from .files import (
     parse_overrides,
 )
 from .routing import routing
+from .topology import topology_target
 
 # MaxText keys copied one to one (MaxText name -> ours).
 DIRECT_KEYS = {
@@ -77,6 +78,28 @@ DIRECT_KEYS = {
     "base_num_decoder_layers": "base_num_decoder_layers",
     "first_num_dense_layers": "first_num_dense_layers",
     "interleave_moe_layer_step": "interleave_moe_layer_step",
+    # The rest of the decoder, for the whole step's parameters and memory.
+    "decoder_block": "decoder_block",
+    "vocab_size": "vocab_size",
+    "logits_via_embedding": "logits_via_embedding",
+    "base_num_query_heads": "base_num_query_heads",
+    "base_num_kv_heads": "base_num_kv_heads",
+    "head_dim": "head_dim",
+    "use_qk_norm": "use_qk_norm",
+    "base_mlp_dim": "base_mlp_dim",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "inhomogeneous_layer_cycle_interval": "inhomogeneous_layer_cycle_interval",
+    "gdn_conv_kernel_dim": "gdn_conv_kernel_dim",
+    "gdn_key_head_dim": "gdn_key_head_dim",
+    "gdn_value_head_dim": "gdn_value_head_dim",
+    "gdn_num_key_heads": "gdn_num_key_heads",
+    "gdn_num_value_heads": "gdn_num_value_heads",
+    "remat_policy": "remat_policy",
+    "num_vocab_tiling": "num_vocab_tiling",
 }
 PARALLELISM_KEYS = tuple(
     f"{tier}_{axis}_parallelism" for tier in ("ici", "dcn") for axis in MESH_AXES
@@ -125,6 +148,8 @@ READ_KEYS = (
     "topk_routing_group",
     "base_mlp_dim",
     "override_logical_axis_rules",
+    "compile_topology",
+    "compile_topology_num_slices",
 )
 PLATFORMS = {"tpu": "v5p", "gpu": "h100", "gpu_multiprocess": "h100", "cpu": "cpu"}
 
@@ -150,6 +175,9 @@ class MaxTextImport:
     notes: list[str] = field(default_factory=list)
     relevant_ignored: list[str] = field(default_factory=list)
     dispatch_source: str = ""  # the MaxText setting that decides the dispatch, and where
+    # Whether the exchange is MaxText's (set from its expert axis), not asked for: then
+    # this project's own pick may be shown beside it as an alternative.
+    exchange_is_maxtexts: bool = False
 
     def explain_reason(self, reason: str, plan=None) -> str:
         """The plan's reason with the dispatch's true origin (a dispatch read from
@@ -163,6 +191,24 @@ class MaxTextImport:
         if plan is not None and plan.strategy is Dispatch.megablox:
             reason += f"; expert placement {placement_in_maxtext(plan.placement, plan.mesh)}"
         return reason
+
+    def alternative(self, plan, ours) -> str:
+        """A note when this project's block, free to exchange, would beat the one
+        MaxText runs (`plan`): `ours` is the plan with the exchange left to the
+        selector."""
+        if not self.exchange_is_maxtexts or plan is None or ours is None:
+            return ""
+        theirs, mine = plan.chosen_estimate, ours.chosen_estimate
+        if mine.name == theirs.name or mine.time_s >= theirs.time_s:
+            return ""
+        gib = 2**30
+        return (
+            f"Alternative outside MaxText 0.2.5: this project's {mine.name} "
+            f"({mine.time_s * 1e3:.3g} ms, {mine.device_bytes / gib:.3g} GiB a device) against "
+            f"the {theirs.name} MaxText runs here ({theirs.time_s * 1e3:.3g} ms, "
+            f"{theirs.device_bytes / gib:.3g} GiB); MaxText has no setting for it, "
+            "layers.MoEBlock runs it (expert_exchange=auto on the native route)."
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -301,6 +347,7 @@ def from_maxtext(
       ['LOCAL_BATCH_INFLATION']
     """
     conf_dir = conf_dir or packaged_conf()
+    path, overrides, read_as = _model_file_as_config(Path(path), list(overrides))
     over = parse_overrides(overrides)
     raw, files, each = load_chain(Path(path))
     model_name = over.get("model_name", raw.get("model_name"))
@@ -321,7 +368,7 @@ def from_maxtext(
             raise _unknown_override(key, allowed)
     raw = {**raw, **over}
 
-    notes: list[str] = []
+    notes: list[str] = [read_as] if read_as else []
     values: dict[str, Any] = {}
     for theirs, ours in DIRECT_KEYS.items():
         if theirs in raw and raw[theirs] is not None:
@@ -337,6 +384,18 @@ def from_maxtext(
             f"one MLP of base_mlp_dim={values['base_moe_mlp_dim']}."
         )
     values["num_slices"] = _num_slices(raw, notes)
+    target = topology_target(raw)
+    if target is not None:  # MaxText's train_compile target names the chips
+        chip, chips, slices = target
+        raw = {"chip": chip, **raw}
+        values["num_slices"] = slices
+        values.setdefault("num_devices", chips * slices)
+        notes.append(
+            f"compile_topology={raw['compile_topology']} x {slices} slice(s): "
+            f"{chips * slices} {chip} chips ({chips} a slice), as MaxText's ahead-of-time "
+            "compile targets them."
+        )
+    values["attention_type"] = _attention_type(raw, notes)
     sparse = coerce("sparse_matmul", raw.get("sparse_matmul", True), bool)
     megablox = coerce("megablox", raw.get("megablox", True), bool)
     values["dispatch"] = _dispatch(raw, sparse)
@@ -369,10 +428,15 @@ def from_maxtext(
     routed, _, routing_findings = routing(raw, str(model_name or ""), base, notes)
     values.update(routed)
     cfg = Config(**values)
-    if "expert_exchange" not in raw and sparse and _expert_axis(cfg) > 1:
+    maxtext_exchange = "expert_exchange" not in raw and sparse
+    if maxtext_exchange and _expert_axis(cfg) > 1:
         # MaxText's grouped matmul exchanges rows over its expert axis by ragged
         # all-to-all (read in MaxText 0.2.5's layers/moe.py; not run here).
         cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
+    elif maxtext_exchange:
+        # Without an expert axis it all-gathers the expert weights: the choice stays
+        # among what MaxText runs; this project's exchange is shown beside it.
+        cfg = cfg.replace(expert_exchange=Exchange.gather)
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
@@ -394,8 +458,46 @@ def from_maxtext(
     ignored = sorted(k for k in raw if k not in used)
     relevant = ignored_that_matter(raw, used, base)
     return MaxTextImport(
-        cfg, ignored, found, [str(f) for f in files], notes, relevant, dispatch_source
+        cfg,
+        ignored,
+        found,
+        [str(f) for f in files],
+        notes,
+        relevant,
+        dispatch_source,
+        maxtext_exchange,
     )
+
+
+def _model_file_as_config(path: Path, overrides: list[str]) -> tuple[Path, list[str], str]:
+    """A model file (configs/models/NAME.yml, no base_config of its own) given as the
+    config: read as MaxText reads `model_name=NAME`, with base.yml beneath it."""
+    base = path.parent.parent / "base.yml"
+    if path.parent.name != "models" or not path.is_file() or not base.is_file():
+        return path, overrides, ""
+    if load_yaml(path).get("base_config"):
+        return path, overrides, ""
+    if any(o.split("=", 1)[0] == "model_name" for o in overrides):
+        raise MaxTextError(
+            f"{path.name} is a MaxText model file and model_name= names another; give "
+            f"the base config: maxtext_config={base} model_name=..."
+        )
+    note = (
+        f"{path.name} is a model file: read as MaxText reads model_name={path.stem}, with "
+        f"{base.name} beneath it (maxtext_config={base} model_name={path.stem})."
+    )
+    return base, [f"model_name={path.stem}", *overrides], note
+
+
+def _attention_type(raw: dict, notes: list[str]) -> str:
+    """MaxText's attention_type as the parameter count sees it: MLA has its own
+    projections; sliding-window, chunked and full attention hold the same weights and,
+    under a flash kernel, about the same memory as global attention."""
+    kind = str(raw.get("attention_type", "global"))
+    if kind in ("global", "mla"):
+        return kind
+    notes.append(f"attention_type={kind}: counted as global attention (the same weights).")
+    return "global"
 
 
 def _expert_axis(cfg: Config) -> int:

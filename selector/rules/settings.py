@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .. import time_calibration
-from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend
+from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend, Hardware
 from ..findings import Finding, error, fix, warning
 
 POSITIVE = (
@@ -20,18 +21,74 @@ POSITIVE = (
 )
 
 
+def _finite(value) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def positive_dims(cfg: Config) -> list[Finding]:
     return [
         error(
             "VALUE_NOT_POSITIVE",
             n,
-            f"{n}={getattr(cfg, n)} must be positive: nothing can be sized from a zero, "
-            f"negative or NaN value. Set {n} to a positive number, or pick a model= "
-            "preset that sets it.",
+            f"{n}={getattr(cfg, n)} must be positive: nothing can be sized from a zero or "
+            f"negative value. Set {n} to a positive number, or pick a model= preset that "
+            "sets it.",
+            [fix("the schema's default", **{n: _default(Config, n)})],
         )
         for n in POSITIVE
-        if not 0 < getattr(cfg, n) < math.inf  # also catches NaN
+        if _finite(getattr(cfg, n)) and not getattr(cfg, n) > 0  # non_finite says the rest
     ]
+
+
+def _default(schema, name: str):
+    return next(f.default for f in dataclasses.fields(schema) if f.name == name)
+
+
+def _float_settings(cfg: Config):
+    """(key, value, schema default) of every float setting; capacity_factor has its own
+    rule, where a non-finite value means one of two different things."""
+    for f in dataclasses.fields(Config):
+        if f.type == "float" and f.name != "capacity_factor":
+            yield f.name, getattr(cfg, f.name), f.default
+    for f in dataclasses.fields(Hardware):
+        if f.type == "float":
+            yield f"hardware.{f.name}", getattr(cfg.hardware, f.name), None
+
+
+# A chip's number has no default to fall back on: it is the chip's, not the schema's.
+_CHIP_NUMBER = (
+    "No value is offered: the number belongs to the chip ({chip}); pick its preset "
+    "with hardware=<chip> or give {key} the chip's own value."
+)
+
+
+def non_finite(cfg: Config) -> list[Finding]:
+    """inf or nan in a float setting: no size, time or count can be derived from it."""
+    found = []
+    for key, value, default in _float_settings(cfg):
+        if _finite(value):
+            continue
+        what = "NaN (not a number, often 0/0 in a script)" if value != value else "infinite"
+        if default is None:
+            found.append(
+                error(
+                    "VALUE_NOT_FINITE",
+                    key,
+                    f"{key}={value} is {what}; it must be a finite number.",
+                    no_fix=_CHIP_NUMBER.format(chip=cfg.hardware.name, key=key),
+                )
+            )
+            continue
+        found.append(
+            error(
+                "VALUE_NOT_FINITE",
+                key,
+                f"{key}={value} is {what}; it must be a finite number.",
+                [fix("the schema's default", **{key: default})],
+                no_fix=f"Give {key} a finite value.",
+            )
+        )
+    return found
 
 
 MAX_TOKENS = 2**40  # per device per step: far beyond any machine
@@ -50,6 +107,10 @@ def sizes_in_range(cfg: Config) -> list[Finding]:
             f"per_device_batch_size={cfg.per_device_batch_size:g} x max_target_length="
             f"{cfg.max_target_length} is more than {MAX_TOKENS:,} tokens a device, beyond any "
             "machine. Check the value.",
+            [
+                fix(per_device_batch_size=_default(Config, "per_device_batch_size")),
+                fix(max_target_length=_default(Config, "max_target_length")),
+            ],
         )
     ]
 
@@ -120,11 +181,11 @@ def hardware_values(cfg: Config) -> list[Finding]:
         error(
             "HARDWARE_INVALID",
             f"hardware.{n}",
-            f"hardware.{n}={getattr(hw, n)} must be positive; pick a preset with "
-            "hardware=<chip> or set the number.",
+            f"hardware.{n}={getattr(hw, n)} must be positive.",
+            no_fix=_CHIP_NUMBER.format(chip=hw.name, key=f"hardware.{n}"),
         )
         for n in names
-        if not getattr(hw, n) > 0
+        if _finite(getattr(hw, n)) and not getattr(hw, n) > 0  # non_finite says the rest
     ]
 
 
@@ -218,12 +279,14 @@ def time_calibration_usable(cfg: Config) -> list[Finding]:
                 "TIME_CALIBRATION_INVALID",
                 "time_calibration",
                 f"{exc}. The estimates keep the model's time until it is fixed.",
+                [fix("the time model without a calibration", time_calibration="")],
             )
         ]
     return []
 
 
 SETTINGS_RULES = (
+    non_finite,
     sizes_in_range,
     routing_groups,
     shared_gate_needs_experts,

@@ -9,7 +9,7 @@ from ..cost import Estimate
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView, fill_tier
 from ..per_device import PerDevice, capacity
-from ..placement import expert_group
+from ..placement import exchange_group
 from .layout import fmt, shown_axes
 from .moves import move
 
@@ -133,46 +133,80 @@ def capacity_too_small(cfg: Config, dev: PerDevice, strategy: Dispatch) -> list[
 
 
 def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> list[Finding]:
-    """What one device holds: every MoE layer's weights, gradients and optimizer state
-    at rest, plus the block's peak (input, output, temporaries), against the chip."""
+    """What one device holds for the whole step (`StepMemory`): every parameter's
+    weights, gradients and optimizer state at rest, the activations saved across
+    layers, and the largest transient (the logits, or one layer's attention and MoE
+    block), against the chip."""
     if est.fits:
         return []
     gib = 2**30
-    weights = est.memory.arguments - est.input_bytes
-    block = est.device_bytes - est.state_bytes
-    state_bigger = est.state_bytes >= block
+    parts = est.device_breakdown or {}
+    at_rest = est.state_bytes if est.step is None else est.step.at_rest
+    activations = est.device_bytes - at_rest
+    state_bigger = at_rest >= activations
     fixes = [
         fix(param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
         *_more_slices(cfg, mesh),
+        *_lighter_step(cfg, parts),
         *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
     ]
+    shown = ", ".join(
+        f"{name.replace('_', ' ')} {parts[name] / gib:.3g}"
+        for name in STEP_PARTS
+        if parts.get(name, 0) > 0
+    )
     return [
         error(
             "MEMORY_EXCEEDED",
             # The knob behind the larger share: the weights' storage, or the batch.
             "param_dtype" if state_bigger else "per_device_batch_size",
-            f"dispatch={est.name} needs about {est.device_bytes / gib:.3g} GiB per device, more "
-            f"than the {cfg.hardware.memory_gib:g} GiB of a {cfg.hardware.name}: "
-            f"{est.state_bytes / gib:.3g} GiB for {cfg.num_moe_layers} MoE layers at rest "
-            f"({weights / gib:.3g} GiB of weights each"
+            f"dispatch={est.name}: the whole step needs about {est.device_bytes / gib:.3g} "
+            f"GiB per device, more than the {cfg.hardware.memory_gib:g} GiB of a "
+            f"{cfg.hardware.name} ({shown} GiB; the peak holds what rests, what is saved "
+            "and the largest of the logits and one layer's attention plus MoE block); "
             + (
-                f", with their gradients and {cfg.optimizer_bytes_per_param:g} optimizer bytes "
-                "per parameter"
-                if est.memory.outputs > est.input_bytes
-                else ""
-            )
-            + f") and {block / gib:.3g} GiB for one block's activations and temporaries; "
-            + (
-                "the weights' state dominates: shard it over more devices."
+                "the parameters' state dominates: shard it over more devices or store it "
+                "smaller."
                 if state_bigger
-                else "the activations dominate: raise cp or the batch shards, or lower "
+                else "the activations dominate: save less (remat_policy), tile the "
+                "logits (num_vocab_tiling), raise cp or the batch shards, or lower "
                 "per_device_batch_size."
             ),
             fixes,
+            no_fix=f"None of the overrides tried (weights stored in fewer bits, experts "
+            f"exchanged, more slices, a lighter step, fewer tokens a device) brings a device "
+            f"under {cfg.hardware.memory_gib:g} GiB: it needs a chip with more memory "
+            "(hardware=) or a smaller model.",
         )
     ]
+
+
+STEP_PARTS = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "kv_cache",
+    "saved_activations",
+    "logits",
+    "attention_peak",
+    "moe_block",
+)
+
+
+def _lighter_step(cfg: Config, parts: dict) -> list:
+    """Save less across layers (MaxText's `full` remat policy keeps only each layer's
+    input), and tile the logits when they are the step's largest transient."""
+    fixes = []
+    if cfg.mode is Mode.train and cfg.remat_policy != "full":
+        fixes.append(fix("recompute every layer in the backward", remat_policy="full"))
+    layer = parts.get("attention_peak", 0) + parts.get("moe_block", 0)
+    if parts.get("logits", 0) > layer:
+        for tiles in (4, 16):
+            if tiles > cfg.num_vocab_tiling:
+                fixes.append(fix(f"the logits {tiles} tiles at a time", num_vocab_tiling=tiles))
+    return fixes
 
 
 def _fewer_tokens(cfg: Config, mesh: MeshView) -> list:
@@ -279,30 +313,67 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
                 [fix(dispatch=Dispatch.megablox, capacity_factor=-1.0), gather],
             )
         ]
+    group = exchange_group(cfg, mesh)
     if placed is not None:
-        return []
-    group, _ = expert_group(mesh, fold_sequence=cfg.expert_group is not ExpertGroup.expert)
-    size = mesh.product(group)
+        return _group_unfolded(cfg, group)
+    size = mesh.product(group.axes)
+    why = f" ({group.left_out})" if group.left_out else ""
     if size <= 1:
         return [
             error(
                 "EXPERT_GROUP_EMPTY",
                 "expert_exchange",
                 "expert_exchange=all_to_all needs an expert group: an expert axis or a "
-                "sequence axis of size > 1 that splits the tokens (the mesh has none).",
-                [gather],
+                "sequence axis of size > 1 that splits the tokens; this mesh gives none"
+                f"{why}.",
+                [*_experts_from(cfg, mesh), gather],
             )
         ]
-    shown = shown_axes(mesh, group)
+    fixes = [fix(expert_group=ExpertGroup.expert)] if group.folded else []
     return [
         error(
             "EXPERTS_NOT_DIVISIBLE_BY_GROUP",
             "expert_group",
-            f"num_experts={cfg.num_experts} does not split over the expert group ({shown} = "
-            f"{size} devices).",
-            [fix(expert_group=ExpertGroup.expert), gather],
+            f"num_experts={cfg.num_experts} does not split over the expert group "
+            f"({shown_axes(mesh, group.axes)} = {size} devices){why}.",
+            [*fixes, *_experts_from(cfg, mesh), gather],
         )
     ]
+
+
+def _group_unfolded(cfg: Config, group) -> list[Finding]:
+    """expert_group=expert_and_sequence asked for, but the sequence axes stay out."""
+    if cfg.expert_group is not ExpertGroup.expert_and_sequence or not group.left_out:
+        return []
+    return [
+        warning(
+            "EXPERT_GROUP_UNFOLDED",
+            "expert_group",
+            f"expert_group=expert_and_sequence asks for the sequence axes in the expert "
+            f"group, but {group.left_out}; the rows are exchanged over the expert axes alone.",
+            [fix(expert_group=ExpertGroup.auto)],
+        )
+    ]
+
+
+def _experts_from(cfg: Config, mesh: MeshView) -> list:
+    """Split the experts over an expert axis made of devices taken from another axis
+    (the sequence axes first: at decode they only repeat the token), as many as
+    num_experts and that axis have in common."""
+    if "expert" not in mesh.expert_axes or "expert" not in mesh.batch_axes:
+        return []
+    fixes = []
+    sources = [a for a in mesh.sequence_axes if mesh.size(a) > 1]
+    sources += [a for a in ("fsdp", "data") if mesh.size(a) > 1]
+    for source in sources:
+        take = math.gcd(cfg.num_experts, mesh.size(source))
+        if take <= 1:
+            continue
+        new = {source: mesh.size(source) // take, "expert": mesh.size("expert") * take}
+        moved = move(cfg, mesh, new, to="expert")
+        if moved:
+            fixes.append(fix(f"experts split over {take} of the {source} devices", **dict(moved)))
+    return fixes
 
 
 DECODE_GATHER_RATIO = 100  # weights gathered per step against the tokens' own bytes

@@ -35,7 +35,7 @@ def main() -> None:
 
     import layers
     import selector
-    from layers.compiled import block_forward
+    from layers.programs import block_forward
 
     batch, seq, emb = 4, 64, 64
     exchanged = strategy == "megablox_exchanged"

@@ -9,93 +9,32 @@ ratios of measured to estimated time, per program, can be written
 (`measure_save=PATH`) and read back as a time calibration for this hardware
 (`time_calibration=PATH`, `selector.time_calibration`).
 
-The logic here is pure; timing needs jax and the layers, imported only when the check
-runs (`time_fn` defaults to `layers.measured.time_candidates`).
+The selector calls `check` through the `moe_cp.checks` entry point (`measure`). The
+logic here is pure; timing needs jax and the layers, imported only when the check runs
+(`time_fn` defaults to `checks.measured.time_candidates`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from .compile_mode import Key, Recheck, replan
-from .config import Config, Dispatch, Exchange
-from .cost import Estimate, program_of
-from .findings import Finding, errors_in, warning
-from .memory_model import calibration_key
-from .plan import Candidate, DispatchPlan, analyse
+from selector.checked import Key, MeasureCheck, MeasuredCandidate
+from selector.config import Config, Dispatch, Exchange
+from selector.cost import Estimate, program_of
+from selector.findings import Finding, errors_in, warning
+from selector.memory_model import calibration_key
+from selector.plan import Candidate, DispatchPlan, analyse
+
+from .compile_mode import replan
 
 MAX_TIMED = 3  # candidates timed: the estimate's choice and the next that fit
 
 
-@dataclass(frozen=True)
-class MeasuredCandidate:
-    """One candidate as estimated and as timed (seconds per step, every round)."""
-
-    estimate: Estimate
-    program: str  # `{mode} {program}`: what a time calibration keys its ratio by
-    times: tuple[float, ...]
-
-    @property
-    def name(self) -> str:
-        return self.estimate.name
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def ratio(self) -> float:
-        """Measured over estimated time."""
-        return self.median / max(self.estimate.time_s, 1e-12)
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "program": self.program,
-            "estimated_s": self.estimate.time_s,
-            "median_s": self.median,
-            "times_s": list(self.times),
-            "ratio": self.ratio,
-        }
-
-
-@dataclass(frozen=True)
-class MeasureCheck(Recheck):
-    """The plan after timing (its choice follows the measured medians), and what was
-    timed."""
-
-    hardware: str = ""
-    devices: int = 0
-    measured: tuple[MeasuredCandidate, ...] = ()
-
-    def calibration(self) -> dict:
-        """The time calibration these measurements give (see selector.time_calibration):
-        each program's measured / estimated ratio, the estimates taken without one."""
-        return {
-            "hardware": self.hardware,
-            "devices": self.devices,
-            "ratios": {c.program: c.ratio for c in self.measured},
-            "measured": [c.as_dict() for c in self.measured],
-        }
-
-    def as_dict(self) -> dict:
-        return {
-            "hardware": self.hardware,
-            "devices": self.devices,
-            "estimated_choice": self.estimated_choice,
-            "choice": self.plan.chosen_estimate.name,
-            "changed": self.changed,
-            "candidates": [c.as_dict() for c in self.measured],
-        }
-
-
 def _default_time(config: Config, keys: list[Key], rounds: int) -> dict[Key, list[float]]:
-    from layers.measured import time_candidates  # jax only when timing
+    from .measured import time_candidates  # jax only when timing
 
     return time_candidates(config, keys, rounds)
 

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 import selector
+from layers import MoEBlock
+from layers.programs import compile_forward, compile_fwd_bwd
+from layers.sharding import mesh_for_plan
 from selector import targets
 from selector.api import analyse_any
 
-from .moe import MoEBlock, sharded_forward
+from .targets import devices
 
 
 @dataclass(frozen=True)
@@ -48,64 +49,6 @@ class CompiledBlock:
         return {**dataclasses.asdict(self), "peak": self.peak}
 
 
-def block_forward(model: MoEBlock):
-    """forward(weights, x_BSM) -> (y_BSM, stats) for the block's plan."""
-    layout, spec, strategy = model.layout, model.spec, model.plan.strategy
-    return lambda w, x: sharded_forward(strategy, layout, spec, x, w)
-
-
-def fwd_bwd_loss(forward):
-    """A scalar training-like loss: sum of squares of the output plus the balance loss."""
-
-    def loss(w, x):
-        y, stats = forward(w, x)
-        return jnp.sum(y * y) + stats["load_balance_loss"]
-
-    return loss
-
-
-def abstract_inputs(model: MoEBlock, batch: int, seq: int):
-    """(weights, x) as ShapeDtypeStructs with their shardings on the block's mesh:
-    parameters at their at-rest sharding, x in the compute dtype, sharded (batch axes,
-    sequence axes). Works on an abstract block from nnx.eval_shape too."""
-    layout = model.layout
-
-    def at_rest(a):
-        sharding = (
-            a.sharding if isinstance(a.sharding, NamedSharding) else layout.named(layout.replicated)
-        )
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-
-    w = jax.tree.map(at_rest, model.weights())
-    x = jax.ShapeDtypeStruct(
-        (batch, seq, model.spec.emb), model.spec.compute_dtype, sharding=layout.named(layout.x_BSM)
-    )
-    return w, x
-
-
-def compile_fwd_bwd(
-    model: MoEBlock,
-    batch: int,
-    seq: int,
-    *,
-    forward=None,
-    compiler_options: dict | None = None,
-):
-    """The compiled program of d(loss)/d(weights, x) for a (batch, seq, emb) input, for
-    the devices of the block's mesh (abstract TPU or GPU devices included: pass the
-    target's `compile_options()`). `forward` (weights, x) -> (y, stats) defaults to the
-    block's own (`block_forward`)."""
-    loss = fwd_bwd_loss(forward or block_forward(model))
-    w, x = abstract_inputs(model, batch, seq)
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w, x).compile(compiler_options)
-
-
-def compile_forward(model: MoEBlock, batch: int, seq: int, *, compiler_options=None):
-    """The compiled forward program (prefill and decode): (y, stats) from (weights, x)."""
-    w, x = abstract_inputs(model, batch, seq)
-    return jax.jit(block_forward(model)).lower(w, x).compile(compiler_options)
-
-
 def target_of(config: selector.Config, num_devices: int) -> targets.Target:
     """The chips a config describes: its hardware preset, device count and slices."""
     return targets.Target.from_hardware(config.hardware.name, num_devices, config.num_slices)
@@ -118,11 +61,9 @@ def compile_plan(cfg: Any, plan: selector.DispatchPlan, target: targets.Target |
     compiled all the same: that is what the check is for)."""
     from flax import nnx
 
-    from .sharding import mesh_for_plan
-
     config = selector.to_config(cfg)
     target = target or target_of(config, plan.mesh.num_devices)
-    mesh = mesh_for_plan(plan, target.devices())
+    mesh = mesh_for_plan(plan, devices(target))
     block = nnx.eval_shape(lambda: MoEBlock(config, mesh=mesh, plan=plan, rngs=nnx.Rngs(0)))
     dev = plan.per_device
     batch = round(dev.global_batch)
@@ -172,18 +113,39 @@ def cost_analysis(program) -> dict:
     return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
 
 
+def candidate_plan(
+    plan: selector.DispatchPlan, strategy: selector.Dispatch, exchange: selector.Exchange
+) -> selector.DispatchPlan:
+    """`plan` with one of its candidates chosen: the block `dispatch=` and
+    `expert_exchange=` would force. Mesh, per-device numbers and backends do not depend
+    on the choice; the candidate carries its own placement."""
+    chosen = plan.candidate(strategy, exchange)
+    return dataclasses.replace(
+        plan,
+        strategy=strategy,
+        placement=chosen.placement,
+        candidates=tuple(dataclasses.replace(c, chosen=c is chosen) for c in plan.candidates),
+    )
+
+
 def compile_candidate(
     cfg: Any,
     strategy: selector.Dispatch,
     exchange: selector.Exchange = selector.Exchange.gather,
     target: targets.Target | None = None,
+    *,
+    plan: selector.DispatchPlan | None = None,
 ) -> CompiledBlock:
     """Compile one (dispatch, exchange) candidate of `cfg` for its chips (or `target`)
-    and return XLA's numbers. The candidate is forced as `dispatch=` and
+    and return XLA's numbers. The candidate is taken from `plan`, the config's plan,
+    when given; otherwise the config is analysed with it forced, as `dispatch=` and
     `expert_exchange=` would force it."""
     config = selector.to_config(cfg).replace(dispatch=strategy, expert_exchange=exchange)
-    plan, findings = analyse_any(config)
-    if plan is None:
-        raise selector.ConfigError(findings)
+    if plan is not None:
+        plan = candidate_plan(plan, strategy, exchange)
+    else:
+        plan, findings = analyse_any(config)
+        if plan is None:
+            raise selector.ConfigError(findings)
     _, program, target, seconds = compile_plan(config, plan, target)
     return read(program, plan.chosen_estimate.name, target, seconds)

@@ -1,5 +1,5 @@
 """Candidates of a plan timed on this process's devices, for measure mode
-(`selector.measure_mode`): each is built, compiled once, then run one step per round,
+(`checks.measure_mode`): each is built, compiled once, then run one step per round,
 interleaved with the others, so a noisy machine slows them alike."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import jax
 from flax import nnx
 
 import selector
-
-from .compiled import block_forward, fwd_bwd_loss
-from .moe import MoEBlock
-from .sharding import mesh_for_plan
+from layers import MoEBlock
+from layers.programs import block_forward, fwd_bwd_loss
+from layers.sharding import mesh_for_plan
 
 
 def _step(config: selector.Config, strategy, exchange):

@@ -9,8 +9,10 @@ outputs and temp. The choice is made again with the compiled candidates' numbers
 (`policy.choose`, the same rule), compiling any new winner too, so a candidate the
 estimate wrongly ruled out can win and one it wrongly admitted cannot.
 
-The logic here is pure; compiling needs jax and the layers, imported only when the
-check runs (`compile_fn` defaults to `layers.compiled.compile_candidate`). XLA:GPU does
+The selector calls `check` through the `moe_cp.checks` entry point (`compile`). The
+logic here is pure; compiling needs jax and the layers, imported only when the check
+runs, after `targets.prepare_process` (`compile_fn` defaults to
+`checks.compiled.compile_candidate` on the plan's candidates). XLA:GPU does
 not refuse a program larger than the GPU, so the comparison with the chip is ours.
 """
 
@@ -18,108 +20,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from . import targets
-from .config import Config, Dispatch, Exchange
-from .cost import Estimate, Memory, with_memory
-from .findings import Finding, error, errors_in, warning
-from .plan import Candidate, DispatchPlan, analyse
-from .policy import choose
+from selector import targets
+from selector.checked import CompileCheck, CompiledCandidate, Key
+from selector.config import Config, Dispatch, Exchange
+from selector.cost import Estimate, Memory, with_memory
+from selector.findings import Finding, error, errors_in, warning
+from selector.plan import Candidate, DispatchPlan, analyse
+from selector.policy import choose
 
-Key = tuple[Dispatch, Exchange]
 GIB = 2**30
 
 
-@dataclass(frozen=True)
-class CompiledCandidate:
-    """One candidate as estimated and as compiled (bytes per device)."""
+def _compile_from(plan: DispatchPlan):
+    """compile_fn for the candidates of `plan`: each block is built from the plan with
+    that candidate forced (`checks.compiled.candidate_plan`), not from a new analysis."""
 
-    estimate: Estimate
-    as_compiled: Estimate  # the estimate with XLA's memory, and the fit that follows
-    flops: float  # XLA's cost analysis
-    bytes_accessed: float
-    seconds: float  # compile time on this machine
+    def compile_fn(config: Config, strategy: Dispatch, exchange: Exchange):
+        from .compiled import compile_candidate  # jax only when compiling
 
-    @property
-    def name(self) -> str:
-        return self.estimate.name
+        return compile_candidate(config, strategy, exchange, plan=plan)
 
-    @property
-    def compiled(self) -> Memory:
-        """XLA's arguments, outputs and temp."""
-        return self.as_compiled.memory
-
-    @property
-    def device_bytes(self) -> float:
-        """The state at rest plus the compiled block's peak."""
-        return self.as_compiled.device_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.as_compiled.fits
-
-    @property
-    def temp_error(self) -> float:
-        """Estimated temp over compiled, minus one."""
-        return self.estimate.memory.temp / max(self.compiled.temp, 1) - 1
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "estimated": dataclasses.asdict(self.estimate.memory),
-            "estimated_device_bytes": self.estimate.device_bytes,
-            "estimated_fits": self.estimate.fits,
-            "compiled": dataclasses.asdict(self.compiled),
-            "device_bytes": self.device_bytes,
-            "fits": self.fits,
-            "temp_error": self.temp_error,
-            "flops": self.flops,
-            "estimated_flops": self.estimate.flops,
-            "bytes_accessed": self.bytes_accessed,
-            "estimated_hbm_bytes": self.estimate.traffic.hbm,
-            "compile_seconds": self.seconds,
-        }
-
-
-@dataclass(frozen=True)
-class Recheck:
-    """A plan chosen again after the estimate (by compiling or by timing)."""
-
-    plan: DispatchPlan  # its choice follows what was compiled or measured
-    estimated_choice: str  # the estimate's choice, before
-
-    @property
-    def findings(self) -> tuple[Finding, ...]:
-        return self.plan.findings
-
-    @property
-    def changed(self) -> bool:
-        return self.plan.chosen_estimate.name != self.estimated_choice
-
-
-@dataclass(frozen=True)
-class CompileCheck(Recheck):
-    """The plan after compiling, and what was compiled."""
-
-    target: str = ""
-    compiled: tuple[CompiledCandidate, ...] = ()
-
-    def as_dict(self) -> dict:
-        return {
-            "target": self.target,
-            "estimated_choice": self.estimated_choice,
-            "choice": self.plan.chosen_estimate.name,
-            "changed": self.changed,
-            "candidates": [c.as_dict() for c in self.compiled],
-        }
-
-
-def _default_compile(config: Config, strategy: Dispatch, exchange: Exchange):
-    from layers.compiled import compile_candidate  # jax only when compiling
-
-    return compile_candidate(config, strategy, exchange)
+    return compile_fn
 
 
 def check(
@@ -135,7 +58,8 @@ def check(
 
     `compile_fn(config, strategy, exchange)` returns XLA's numbers for one candidate
     (attributes arguments, outputs, temp, flops, bytes_accessed, seconds); a missing
-    compiler plugin raises `selector.targets.TargetUnavailable` from it."""
+    compiler plugin raises `selector.targets.TargetUnavailable` from it. By default each
+    candidate's block is built from the plan analysed here."""
     say = progress or (lambda _: None)
     plan, findings = analyse(config, live_shape)
     blocking = [f for f in errors_in(findings) if f.code != "MEMORY_EXCEEDED"]
@@ -143,7 +67,7 @@ def check(
         return plan, findings, None
     if compile_fn is None:
         targets.prepare_process(config.hardware.platform, plan.mesh.num_devices)
-        compile_fn = _default_compile
+        compile_fn = _compile_from(plan)
     estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
     first: Key = (plan.strategy, plan.placement.exchange)
     todo = [first]

@@ -1,0 +1,164 @@
+"""What a compile or measure check found, as plain data: the API returns it and the
+report prints it. The checks themselves need jax and the layers, so they live in the
+`checks` package, which the selector finds by entry point (`selector.plugins`); these
+types stay here so the selector can read a result without importing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+
+from .config import Dispatch, Exchange
+from .cost import Estimate, Memory
+from .findings import Finding
+from .plan import DispatchPlan
+
+Key = tuple[Dispatch, Exchange]
+
+
+@dataclass(frozen=True)
+class CompiledCandidate:
+    """One candidate as estimated and as compiled (bytes per device)."""
+
+    estimate: Estimate
+    as_compiled: Estimate  # the estimate with XLA's memory, and the fit that follows
+    flops: float  # XLA's cost analysis
+    bytes_accessed: float
+    seconds: float  # compile time on this machine
+
+    @property
+    def name(self) -> str:
+        return self.estimate.name
+
+    @property
+    def compiled(self) -> Memory:
+        """XLA's arguments, outputs and temp."""
+        return self.as_compiled.memory
+
+    @property
+    def device_bytes(self) -> float:
+        """The state at rest plus the compiled block's peak."""
+        return self.as_compiled.device_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.as_compiled.fits
+
+    @property
+    def temp_error(self) -> float:
+        """Estimated temp over compiled, minus one."""
+        return self.estimate.memory.temp / max(self.compiled.temp, 1) - 1
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "estimated": dataclasses.asdict(self.estimate.memory),
+            "estimated_device_bytes": self.estimate.device_bytes,
+            "estimated_fits": self.estimate.fits,
+            "compiled": dataclasses.asdict(self.compiled),
+            "device_bytes": self.device_bytes,
+            "fits": self.fits,
+            "temp_error": self.temp_error,
+            "flops": self.flops,
+            "estimated_flops": self.estimate.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "estimated_hbm_bytes": self.estimate.traffic.hbm,
+            "compile_seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class Recheck:
+    """A plan chosen again after the estimate (by compiling or by timing)."""
+
+    plan: DispatchPlan  # its choice follows what was compiled or measured
+    estimated_choice: str  # the estimate's choice, before
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        return self.plan.findings
+
+    @property
+    def changed(self) -> bool:
+        return self.plan.chosen_estimate.name != self.estimated_choice
+
+
+@dataclass(frozen=True)
+class CompileCheck(Recheck):
+    """The plan after compiling, and what was compiled."""
+
+    target: str = ""
+    compiled: tuple[CompiledCandidate, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "estimated_choice": self.estimated_choice,
+            "choice": self.plan.chosen_estimate.name,
+            "changed": self.changed,
+            "candidates": [c.as_dict() for c in self.compiled],
+        }
+
+
+@dataclass(frozen=True)
+class MeasuredCandidate:
+    """One candidate as estimated and as timed (seconds per step, every round)."""
+
+    estimate: Estimate
+    program: str  # `{mode} {program}`: what a time calibration keys its ratio by
+    times: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return self.estimate.name
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def ratio(self) -> float:
+        """Measured over estimated time."""
+        return self.median / max(self.estimate.time_s, 1e-12)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "program": self.program,
+            "estimated_s": self.estimate.time_s,
+            "median_s": self.median,
+            "times_s": list(self.times),
+            "ratio": self.ratio,
+        }
+
+
+@dataclass(frozen=True)
+class MeasureCheck(Recheck):
+    """The plan after timing (its choice follows the measured medians), and what was
+    timed."""
+
+    hardware: str = ""
+    devices: int = 0
+    measured: tuple[MeasuredCandidate, ...] = ()
+
+    def calibration(self) -> dict:
+        """The time calibration these measurements give (see selector.time_calibration):
+        each program's measured / estimated ratio, the estimates taken without one."""
+        return {
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "ratios": {c.program: c.ratio for c in self.measured},
+            "measured": [c.as_dict() for c in self.measured],
+        }
+
+    def as_dict(self) -> dict:
+        return {
+            "hardware": self.hardware,
+            "devices": self.devices,
+            "estimated_choice": self.estimated_choice,
+            "choice": self.plan.chosen_estimate.name,
+            "changed": self.changed,
+            "candidates": [c.as_dict() for c in self.measured],
+        }

@@ -1,0 +1,66 @@
+"""Settings of the decoder around the MoE blocks, which the whole step's memory reads
+(selector.architecture, selector.step_memory)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..findings import Finding, error, fix
+from ..step_memory import REMAT_SAVES
+
+ATTENTION_TYPES = ("global", "mla")  # of MaxText's attention_type values, those counted
+
+
+def known_remat_policy(cfg: Config) -> list[Finding]:
+    if cfg.remat_policy in REMAT_SAVES:
+        return []
+    return [
+        error(
+            "REMAT_POLICY_UNKNOWN",
+            "remat_policy",
+            f"remat_policy={cfg.remat_policy!r} is not one of MaxText 0.2.5's policies the "
+            f"step's memory is counted for ({', '.join(REMAT_SAVES)}); `custom` and the "
+            "quantization policies are not modelled. `full` saves the least.",
+            [fix(remat_policy="full"), fix(remat_policy="minimal")],
+        )
+    ]
+
+
+def known_attention(cfg: Config) -> list[Finding]:
+    if cfg.attention_type in ATTENTION_TYPES:
+        return []
+    return [
+        error(
+            "ATTENTION_TYPE_UNKNOWN",
+            "attention_type",
+            f"attention_type={cfg.attention_type!r} is not counted here: global "
+            "(grouped-query attention, with decoder_block=qwen3_next for Qwen3-Next's mix) "
+            "or mla (DeepSeek's multi-head latent attention).",
+            [fix(attention_type="global"), fix(attention_type="mla")],
+        )
+    ]
+
+
+def decoder_sizes(cfg: Config) -> list[Finding]:
+    """Every size the parameter count reads must be a positive whole number."""
+    names = ["vocab_size", "base_num_query_heads", "base_num_kv_heads", "head_dim"]
+    names += ["base_mlp_dim", "num_vocab_tiling"]
+    if cfg.attention_type == "mla":
+        names += ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+    found = []
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            found.append(
+                error(
+                    "DECODER_SIZE_INVALID",
+                    name,
+                    f"{name}={value!r} must be a positive whole number: the whole step's "
+                    "parameters and activations are counted from it. Set the model's own "
+                    "value (its config.json or MaxText model file).",
+                    no_fix="No override can help: only the model's own size is right.",
+                )
+            )
+    return found
+
+
+MODEL_RULES = (known_remat_policy, known_attention, decoder_sizes)

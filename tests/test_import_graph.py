@@ -1,0 +1,149 @@
+"""The walls between the packages, read from the import graph.
+
+- `selector` imports neither jax, flax, `layers` nor `checks`, not even inside a
+  function: validation runs anywhere, fast.
+- `layers` takes from `selector` only the plan's types, and never imports `checks`.
+- `checks` (compile and measure modes) may import both; the selector finds it by the
+  `moe_cp.checks` entry points (`selector.plugins`).
+
+Every module is parsed with `ast`, so an import inside a function counts, and so does
+`importlib.import_module("...")` with a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NEVER_IN_SELECTOR = {"jax", "jaxlib", "flax", "layers", "checks"}
+# The plan and what it holds: the config's enums and dataclasses, the findings it
+# carries, and the sizes it prices that the layers allocate (selector.plan_sizes).
+PLAN_TYPES = {"selector.plan", "selector.config", "selector.findings", "selector.plan_sizes"}
+# MoEBlock(cfg, mesh=...) without a plan resolves one, and reads a DictConfig as the
+# typed Config: the selector's public edge, called, never re-implemented.
+MOE_BLOCK_DEFAULTS = {"selector.api", "selector.compose"}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str, root: Path) -> bool:
+    base = root.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imports_of(path: Path, root: Path) -> set[str]:
+    """Every module `path` imports, anywhere in it, as absolute dotted names
+    (`from pkg import mod` names pkg.mod when mod is a module of the tree)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            subs = [f"{source}.{a.name}" for a in node.names]
+            found.update(s for s in subs if _is_module(s, root))
+            if not all(_is_module(s, root) for s in subs):
+                found.add(source)
+        elif isinstance(node, ast.Call) and _dynamic_import(node):
+            found.add(node.args[0].value)
+    return found
+
+
+def _dynamic_import(node: ast.Call) -> bool:
+    f = node.func
+    named = (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id in ("__import__", "import_module")
+    )
+    arg = node.args[0] if node.args else None
+    return named and isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+
+
+def violations(root: Path) -> list[str]:
+    """Each import that breaks a wall, as 'module imports name (why)'."""
+    out = []
+    for package in ("selector", "layers"):
+        for path in sorted((root / package).rglob("*.py")):
+            module = module_name(path, root)
+            for imported in sorted(imports_of(path, root)):
+                top = imported.split(".")[0]
+                if package == "selector" and top in NEVER_IN_SELECTOR:
+                    out.append(f"{module} imports {imported} (the selector stays jax-free)")
+                if package == "layers" and top == "checks":
+                    out.append(f"{module} imports {imported} (checks sit above the layers)")
+                if package == "layers" and top == "selector":
+                    allowed = PLAN_TYPES | (MOE_BLOCK_DEFAULTS if module == "layers.moe" else set())
+                    if imported not in allowed:
+                        out.append(f"{module} imports {imported} (layers take only plan types)")
+    return out
+
+
+def test_the_checkout_keeps_the_walls():
+    assert violations(ROOT) == []
+
+
+def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
+    """The reader sees imports in functions, relative ones, `from pkg import module`,
+    and import_module with a literal name; a clean module passes."""
+    files = {
+        "selector/__init__.py": "",
+        "selector/plan.py": "",
+        "selector/api.py": "",
+        "selector/ok.py": "from .plan import x\nimport math\n",
+        "selector/inner.py": "def f():\n    import jax.numpy as jnp\n",
+        "selector/relative.py": "from ..layers import moe\n",
+        "selector/dynamic.py": "import importlib\nimportlib.import_module('checks.compiled')\n",
+        "layers/__init__.py": "",
+        "layers/moe.py": "from selector import api\n",
+        "layers/spec.py": "from selector import api, plan\n",
+        "layers/router.py": "import selector\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = violations(tmp_path)
+    assert found == [
+        "selector.dynamic imports checks.compiled (the selector stays jax-free)",
+        "selector.inner imports jax.numpy (the selector stays jax-free)",
+        "selector.relative imports layers.moe (the selector stays jax-free)",
+        "layers.router imports selector (layers take only plan types)",
+        "layers.spec imports selector.api (layers take only plan types)",
+    ]
+
+
+def test_pyproject_registers_each_check_and_the_selector_finds_it():
+    """The entry points name callables that exist, and `selector.plugins` loads the
+    same ones (from this checkout's metadata or the installed package's)."""
+    tomllib = pytest.importorskip("tomllib")
+    from selector.plugins import GROUP, check_mode
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"][GROUP]
+    assert set(declared) == {"compile", "measure"}
+    for name, target in declared.items():
+        module, _, attr = target.partition(":")
+        loaded = check_mode(name)
+        assert (loaded.__module__, loaded.__name__) == (module, attr)
+
+
+def test_a_missing_plugin_is_named_with_the_install_to_run(monkeypatch):
+    import selector
+    from selector import plugins
+
+    monkeypatch.setattr(plugins.metadata, "distributions", lambda: [])
+    config = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8", "compile=true"]))
+    with pytest.raises(plugins.ChecksUnavailable, match=r"moe_cp\.checks:compile.*pip install"):
+        selector.compile_check(config)

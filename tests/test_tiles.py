@@ -1,0 +1,248 @@
+"""selector.tiles counts the rows the grouped-matmul kernels compute from the kernels' own
+tile plans: Pallas megablox's `make_group_metadata` (run here on CPU) and tiled_gmm's
+`tile_plan`, on the slot layout the layers' exchange builds, and at the Qwen3-Next
+preset the CLI's `rows` is within 5% of what the kernel computes under uniform routing."""
+
+import functools
+import importlib
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from subproc import ROOT
+
+from layers import expert_parallel as ep
+from layers.grouped_matmul import TILE_ROWS, tile_classes, tile_plan
+from layers.pallas_gmm import ROW_TILE
+from selector import tiles
+from selector.plan_sizes import exchange_buffer_rows
+
+megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+CASES = [
+    [40] * 16,  # even, groups sharing tiles
+    [128, 128, 256],  # every group tile-aligned
+    [0, 0, 5, 0, 300, 0, 0],  # empty experts first, between and last
+    [3, 0, 1],  # fewer rows than a tile
+    [0, 0, 0, 0],  # nothing routed
+    [1000],  # one expert
+    [127, 1, 129, 255, 0, 64, 64, 513],  # around the tile edges
+    [17, 250, 3, 90, 44, 0, 611, 5],  # uneven
+]
+
+
+GROUPS = 40  # every case is padded to this many groups with empty trailing ones
+ROWS = 8192  # and run on an array of this many rows: one compile for all of them
+
+
+def _random_cases(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        experts = int(rng.integers(1, GROUPS))
+        sizes = rng.poisson(rng.uniform(0, 200), experts)
+        sizes[rng.random(experts) < 0.2] = 0
+        yield [int(s) for s in sizes]
+
+
+ALL_CASES = [c + [0] * (GROUPS - len(c)) for c in CASES + list(_random_cases(24, 0))]
+assert all(sum(c) <= ROWS for c in ALL_CASES)
+CASE_IDS = [f"case{i}" for i in range(len(ALL_CASES))]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _jitted_metadata(sizes, m: int, tm: int, visit_empty: bool):
+    # Jitted: eager, each of its ops compiles anew for every shape (minutes per test).
+    return megablox.make_group_metadata(
+        group_sizes=sizes,
+        m=m,
+        tm=tm,
+        start_group=jnp.asarray(0, jnp.int32),
+        num_nonzero_groups=sizes.shape[0],
+        visit_empty_groups=visit_empty,
+    )
+
+
+def _metadata(sizes, m: int, tm: int, visit_empty: bool):
+    """The Pallas kernel's own schedule: (group_ids, m_tile_ids, num_tiles)."""
+    padded = -(-max(m, 1) // tm) * tm  # as layers/pallas_gmm.py pads the rows
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    (_, group_ids, m_tile_ids), num_tiles = _jitted_metadata(group_sizes, padded, tm, visit_empty)
+    return np.asarray(group_ids), np.asarray(m_tile_ids), int(num_tiles)
+
+
+def kernel_pallas_rows(sizes, m: int, tm: int = ROW_TILE) -> int:
+    """Rows the Pallas gmm computes: its scheduled tiles times tm."""
+    return _metadata(sizes, m, tm, visit_empty=False)[2] * tm
+
+
+def kernel_tiled_rows(sizes, array_rows: int) -> int:
+    """Rows tiled_gmm computes, read off its own tile plan: full tiles and masked tails."""
+    full, (tail, tail_E, _), _ = tile_plan(jnp.asarray(sizes, jnp.int32), tile_classes(array_rows))
+    rows = sum(tile * int(count_E.sum()) for tile, count_E, _ in full)
+    return rows + tail * int(tail_E.sum())
+
+
+def test_the_selectors_constants_are_the_kernels():
+    assert tiles.PALLAS_ROW_TILE == ROW_TILE
+    assert tiles.TILED_GMM_TILE_ROWS == TILE_ROWS
+    for rows in (1, 2, 3, 40, 63, 64, 65, 200, 511, 512, 4096):
+        assert tiles.tiled_gmm_classes(rows) == tile_classes(rows), rows
+
+
+@pytest.mark.parametrize("tm", [128, 64])
+@pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
+def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
+    """gmm's schedule (no visits to empty groups) and tgmm's (one visit each), tile for
+    tile; a tile two groups share counts once for each."""
+    for visit_empty in (False, True):
+        expected = _metadata(sizes, ROWS, tm, visit_empty)[2]
+        assert tiles.pallas_tiles(sizes, tm, visit_empty=visit_empty) == expected
+
+
+@pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
+def test_tgmm_computes_the_tiles_gmm_computes(sizes):
+    """tgmm visits empty groups but does its dot only where the group has rows (its
+    kernel's `dont_skip`), so the weight gradient computes the forward's tiles."""
+    group_ids, _, num_tiles = _metadata(sizes, ROWS, ROW_TILE, visit_empty=True)
+    computing = sum(1 for g in group_ids[:num_tiles] if sizes[g] > 0)
+    assert computing * ROW_TILE == tiles.pallas_rows(sizes)
+
+
+@pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
+def test_tiled_gmm_rows_are_its_tile_plans(sizes):
+    """The forward's and input gradient's walk, on arrays of several sizes (a slot
+    longer than its rows; fewer rows than the smallest class)."""
+    total = sum(sizes)
+    for array_rows in {max(total, 1), total + 300, 40}:
+        if array_rows < total:
+            continue
+        assert tiles.tiled_gmm_rows(sizes, array_rows) == kernel_tiled_rows(sizes, array_rows)
+
+
+@pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
+def test_tiled_weight_gradient_walks_the_same_tiles(sizes):
+    """tiled_weight_grad loops over the largest class and takes each smaller class and
+    the tail once under a cond: the same tiles as the forward, since a smaller class is
+    used at most once per expert."""
+    array_rows = max(sum(sizes), 1)
+    group = jnp.asarray(sizes, jnp.int32)
+    (big, big_E, _), *once = tile_plan(group, tile_classes(array_rows))[0]
+    tail, tail_E, _ = tile_plan(group, tile_classes(array_rows))[1]
+    walked = big * int(big_E.sum()) + tail * int((tail_E > 0).sum())
+    walked += sum(tile * int((count_E > 0).sum()) for tile, count_E, _ in once)
+    assert walked == tiles.tiled_gmm_rows(sizes, array_rows)
+
+
+def test_uniform_split_is_as_even_as_integers_allow():
+    assert tiles.uniform_group_sizes(10, 4) == (3, 3, 2, 2)
+    assert tiles.uniform_group_sizes(3, 5) == (1, 1, 1, 0, 0)
+    assert tiles.uniform_group_sizes(20480, 512) == (40,) * 512
+
+
+def _sender_slots(ids_R, experts: int, group: int, buffer: int, rounds: int):
+    """The slots one sender fills, built by the layers' own exchange pieces: for each
+    round, owner g's slot's group sizes over its local experts."""
+    local = experts // group
+    ex = ep.ExchangeGroup(("g",), group, (), 0.5625, "all_to_all", "tiled_gmm", jnp.float32)
+    ids_R = jnp.sort(jnp.asarray(ids_R, jnp.int32))
+    sizes_E = jnp.zeros((experts,), jnp.int32).at[ids_R].add(1)
+    starts_G, counts_G = ep._routing(sizes_E, ex, local)
+    token_R = jnp.arange(ids_R.shape[0])
+    for r in range(rounds):
+        rnd = ep._Round.of(r, starts_G, counts_G, token_R, buffer)
+        ids_GB = rnd.pack_rows(ids_R % local, local)
+        for g in range(group):
+            yield [int(s) for s in ep._slot_group_sizes(ids_GB[g], local)]
+
+
+def _rounds(senders, experts: int, group: int, buffer: int) -> int:
+    """As the layers agree on them: the largest send of any device to any owner, in B."""
+    most = max(
+        int(np.bincount(np.asarray(ids) // (experts // group), minlength=group).max())
+        for ids in senders
+    )
+    return -(-most // buffer)
+
+
+def _exchanged_kernel_rows(senders, experts, group, buffer, kernel) -> float:
+    """What a device computes on average, every sender's slots run by their owners."""
+    rounds = _rounds(senders, experts, group, buffer)
+    total = 0
+    for ids in senders:
+        for sizes in _sender_slots(ids, experts, group, buffer, rounds):
+            if kernel == "pallas_megablox":
+                total += kernel_pallas_rows(sizes, buffer)
+            else:
+                total += kernel_tiled_rows(sizes, buffer)
+    return total / len(senders)
+
+
+def _even_ids(rows: int, experts: int):
+    return np.repeat(np.arange(experts), tiles.uniform_group_sizes(rows, experts))
+
+
+@pytest.mark.parametrize("kernel", ["pallas_megablox", "tiled_gmm"])
+@pytest.mark.parametrize("rows,experts,group", [(600, 16, 4), (2000, 32, 2), (90, 8, 4)])
+def test_exchanged_layout_is_the_layers_slots(kernel, rows, experts, group):
+    """Under an even split every sender fills the same slots; the selector's count over
+    its slot layout is the kernel's count over the slots the layers pack."""
+    buffer = exchange_buffer_rows(rows, group, 0.5625)
+    senders = [_even_ids(rows, experts)] * group
+    expected = _exchanged_kernel_rows(senders, experts, group, buffer, kernel)
+    calls = tiles.exchanged_calls(rows, experts, group, buffer)
+    assert tiles.kernel_rows(kernel, calls) == expected
+
+
+def _cli_json(*overrides: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "selector", "output=json", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode in (0, 1), out.stderr
+    return json.loads(out.stdout)
+
+
+def _sampled_ids(rng, tokens: int, k: int, experts: int):
+    """Uniform routing as a router gives it: each token's k distinct experts at random."""
+    return np.argsort(rng.random((tokens, experts)), axis=1)[:, :k].reshape(-1)
+
+
+@pytest.mark.parametrize("kernel", ["pallas_megablox", "tiled_gmm"])
+def test_cli_rows_at_the_qwen3_next_preset_are_the_kernels(kernel):
+    """Qwen3-Next with cp=4 on v5p (2,048 tokens a device, k=10, E=512): each megablox
+    candidate's `rows` is the kernel's count under the even split exactly, and within
+    5% of it under sampled uniform routing (there, groups start anywhere in a tile:
+    about one more tile per expert than the even split's 40-row groups share)."""
+    report = _cli_json(
+        "model=qwen3_next_80b_a3b", "ici_context_parallelism=4", f"gmm_backend={kernel}"
+    )
+    by_name = {c["name"]: c for c in report["plan"]["candidates"]}
+    tokens = report["plan"]["per_device"]["tokens_per_device"]
+    k, experts = 10, 512
+    rows = int(tokens * k)
+    gather, exchange = by_name["megablox/gather"], by_name["megablox/all_to_all"]
+    group = experts // exchange["placement"]["experts_per_device"]
+    assert group == 4  # the context axis
+    buffer = exchange_buffer_rows(rows, group, 0.5625)
+    rng = np.random.default_rng(0)
+    sampled = [_sampled_ids(rng, int(tokens), k, experts) for _ in range(group)]
+
+    def gathered_kernel(ids):
+        sizes = np.bincount(ids, minlength=experts).tolist()
+        if kernel == "pallas_megablox":
+            return kernel_pallas_rows(sizes, len(ids))
+        return kernel_tiled_rows(sizes, len(ids))
+
+    assert gather["rows"] == gathered_kernel(_even_ids(rows, experts))
+    assert gather["rows"] == pytest.approx(gathered_kernel(sampled[0]), rel=0.05)
+    even = [_even_ids(rows, experts)] * group
+    assert exchange["rows"] == _exchanged_kernel_rows(even, experts, group, buffer, kernel)
+    measured = _exchanged_kernel_rows(sampled, experts, group, buffer, kernel)
+    assert exchange["rows"] == pytest.approx(measured, rel=0.05)
