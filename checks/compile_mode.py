@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from selector import targets
-from selector.checked import CompileCheck, CompiledCandidate, Key
-from selector.config import Config, Dispatch, Exchange
+from selector.checked import CompileCheck, CompiledCandidate, Key, StepCompiled
+from selector.config import Config, Dispatch, Exchange, Mode
 from selector.cost import Estimate, Memory, with_memory
 from selector.findings import Finding, error, errors_in, warning
 from selector.plan import Candidate, DispatchPlan, analyse
@@ -33,16 +33,34 @@ from selector.policy import choose
 GIB = 2**30
 
 
-def _compile_from(plan: DispatchPlan):
-    """compile_fn for the candidates of `plan`: each block is built from the plan with
-    that candidate forced (`checks.compiled.candidate_plan`), not from a new analysis."""
+def _compile_from(plan: DispatchPlan, progress: Callable[[str], None] | None = None):
+    """compile_fn for the candidates of `plan`, built from the plan with that candidate
+    forced (`checks.compiled.candidate_plan`), not from a new analysis: the whole
+    training step of the decoder (`checks.step`) when training, the MoE block's forward
+    when prefilling or decoding (the whole-step build is a training step)."""
 
     def compile_fn(config: Config, strategy: Dispatch, exchange: Exchange):
-        from .compiled import compile_candidate  # jax only when compiling
+        if config.mode is Mode.train:
+            from .step import compile_candidate_step  # jax only when compiling
+
+            return compile_candidate_step(config, strategy, exchange, plan=plan, progress=progress)
+        from .compiled import compile_candidate
 
         return compile_candidate(config, strategy, exchange, plan=plan)
 
     return compile_fn
+
+
+def _step_of(numbers) -> StepCompiled | None:
+    """XLA's whole-step memory when `numbers` are a whole step's (`checks.step.
+    CompiledStep`), None when they are one block's."""
+    if not hasattr(numbers, "optimizer"):
+        return None
+    return StepCompiled(
+        *(float(getattr(numbers, f)) for f in ("arguments", "outputs", "temp", "alias")),
+        params=float(numbers.params),
+        optimizer=float(numbers.optimizer),
+    )
 
 
 def check(
@@ -67,7 +85,7 @@ def check(
         return plan, findings, None
     if compile_fn is None:
         targets.prepare_process(config.hardware.platform, plan.mesh.num_devices)
-        compile_fn = _compile_from(plan)
+        compile_fn = _compile_from(plan, say)
     estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
     first: Key = (plan.strategy, plan.placement.exchange)
     todo = [first]
@@ -75,26 +93,44 @@ def check(
     if rest:
         todo.append(choose(config, rest)[0])  # the runner-up: the choice without the first
     compiled: dict[Key, CompiledCandidate] = {}
+    substituted: dict[str, str] = {}  # candidate -> the grouped matmul its step ran
     while todo:
         key = todo.pop(0)
         if key in compiled:
             continue
         est = estimates[key]
-        say(f"compiling {est.name} for {plan.target} ...")
+        what = "the whole training step with" if config.mode is Mode.train else "the block"
+        say(f"compiling {what} {est.name} for {plan.target} ...")
         numbers = compile_fn(config, *key)
-        memory = Memory(float(numbers.arguments), float(numbers.outputs), float(numbers.temp))
+        if getattr(numbers, "gmm_substituted", ""):
+            substituted[est.name] = numbers.gmm_substituted
+        step = _step_of(numbers)
+        if step is None:  # one block: the step around it stays the estimate's
+            memory = Memory(float(numbers.arguments), float(numbers.outputs), float(numbers.temp))
+            as_compiled = with_memory(est, memory, config.hardware.memory_gib)
+        else:  # the whole step: its peak is what a device holds
+            fits = step.peak <= config.hardware.memory_gib * GIB
+            as_compiled = dataclasses.replace(est, compiled_step_bytes=step.peak, fits=fits)
         c = compiled[key] = CompiledCandidate(
             estimate=est,
-            as_compiled=with_memory(est, memory, config.hardware.memory_gib),
+            as_compiled=as_compiled,
             flops=float(numbers.flops),
             bytes_accessed=float(numbers.bytes_accessed),
             seconds=float(numbers.seconds),
+            step=step,
         )
-        say(
-            f"  {est.name}: temp {memory.temp / GIB:.3g} GiB compiled "
-            f"({est.memory.temp / GIB:.3g} estimated), {c.device_bytes / GIB:.3g} GiB a "
-            f"device in all, {numbers.seconds:.0f} s"
-        )
+        if step is None:
+            say(
+                f"  {est.name}: temp {c.compiled.temp / GIB:.3g} GiB compiled "
+                f"({est.memory.temp / GIB:.3g} estimated), {c.device_bytes / GIB:.3g} GiB a "
+                f"device in all, {numbers.seconds:.0f} s"
+            )
+        else:
+            say(
+                f"  {est.name}, whole step: {step.peak / GIB:.3g} GiB a device compiled "
+                f"(arguments {step.arguments / GIB:.3g}, temp {step.temp / GIB:.3g}), "
+                f"{est.device_bytes / GIB:.3g} GiB estimated, {numbers.seconds:.0f} s"
+            )
         if not todo:  # choose again with what compiling showed; compile a new winner
             winner = choose(config, _with_compiled(estimates, compiled))[0]
             if winner not in compiled:
@@ -105,6 +141,7 @@ def check(
         config, live_shape, plan, (strategy, exchange), f"compiled for {plan.target}: {reason}"
     )
     extra = _compile_findings(config, plan, compiled, (strategy, exchange))
+    extra += _substitutions(plan, substituted)
     kept = [f for f in new_findings if f.code != "MEMORY_EXCEEDED"]
     new_findings = kept + extra
     new_plan = dataclasses.replace(
@@ -149,6 +186,25 @@ def replan(config, live_shape, plan: DispatchPlan, chosen: Key, reason: str):
     return new_plan, findings
 
 
+def _substitutions(plan: DispatchPlan, substituted: dict[str, str]) -> list[Finding]:
+    """A whole step compiled with another grouped matmul than the plan's is said, not
+    hidden (checks.step.compile_candidate_step says why)."""
+    if not substituted:
+        return []
+    which = ", ".join(f"{name} with {gmm}" for name, gmm in substituted.items())
+    return [
+        warning(
+            "STEP_COMPILED_WITH_OTHER_GMM",
+            "gmm_backend",
+            f"The whole step was compiled for {plan.target} as {which}, not the plan's "
+            f"{plan.gmm_backend}: JAX's Pallas megablox kernels do not lower inside the "
+            "scanned, checkpointed decoder layers here (a varying-axes check in the "
+            "rematerialised kernel call). The compiled bytes are the step's with that "
+            "grouped matmul; the block alone compiles with the plan's.",
+        )
+    ]
+
+
 def _compile_findings(config: Config, plan: DispatchPlan, compiled, chosen: Key) -> list[Finding]:
     out: list[Finding] = []
     wrong = [c for c in compiled.values() if c.fits != c.estimate.fits]
@@ -169,7 +225,24 @@ def _compile_findings(config: Config, plan: DispatchPlan, compiled, chosen: Key)
             )
         )
     c = compiled[chosen]
-    if not c.fits:
+    if not c.fits and c.step is not None:
+        out.append(
+            error(
+                "COMPILED_MEMORY_EXCEEDED",
+                "compile",
+                f"The whole training step with {c.name} compiled for {plan.target} needs "
+                f"{c.device_bytes / GIB:.3g} GiB per device (arguments "
+                f"{c.step.arguments / GIB:.3g} GiB, of them parameters "
+                f"{c.step.params / GIB:.3g} and optimizer state {c.step.optimizer / GIB:.3g}; "
+                f"temporaries {c.step.temp / GIB:.3g} GiB; the estimate said "
+                f"{c.estimate.device_bytes / GIB:.3g}), more than the "
+                f"{config.hardware.memory_gib:g} GiB of a {config.hardware.name}, and no "
+                "compiled candidate fits. Shard the state over more devices (more fsdp or "
+                "expert devices), lower per_device_batch_size or raise cp, save less for "
+                "the backward (remat_policy=full), or tile the loss (num_vocab_tiling).",
+            )
+        )
+    elif not c.fits:
         out.append(
             error(
                 "COMPILED_MEMORY_EXCEEDED",

@@ -71,6 +71,7 @@ class ExchangeGroup:
     gmm_backend: str
     dtype: object  # compute dtype
     platform: str = "cpu"  # of the mesh's devices: where the grouped matmul will run
+    row_tile: int | None = None  # the grouped matmul's rows a tile (the plan's GmmTiling.tm)
 
     def buffer_rows(self, rows: int) -> int:
         """B: rows each device may send each owner per round (the selector's formula,
@@ -83,20 +84,32 @@ def _slot_group_sizes(ids_B, local_experts: int):
     return jnp.zeros((local_experts + 1,), jnp.int32).at[ids_B].add(1)[:local_experts]
 
 
-def _slot_swiglu(x_BM, ids_B, w, scale_B, local_experts: int, gmm_backend: str, platform: str):
+def _slot_swiglu(
+    x_BM, ids_B, w, scale_B, local_experts: int, gmm_backend: str, platform: str, row_tile=None
+):
     """One slot's rows through their experts' SwiGLU, each row's activation scaled by
     its routing weight `scale_B` before `wo`. A slot arrives sorted by local expert with
     its empty rows (id == local_experts) last, so the grouped matmul reads it in place:
     no sort, no unsort, and the empty rows come out 0."""
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
-    gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend, platform=platform)
+    kernel = dict(platform=platform, row_tile=row_tile)
+    gate, up = gmm_multi(x_BM, (wi_0, wi_1), sizes_L, gmm_backend, **kernel)
     act = swiglu(gate, up) * scale_B[:, None].astype(gate.dtype)
-    return gmm(act, wo, sizes_L, gmm_backend, platform=platform)
+    return gmm(act, wo, sizes_L, gmm_backend, **kernel)
 
 
 def _slot_swiglu_pullback(
-    x_BM, ids_B, scale_B, dy_BM, w, dw, local_experts: int, gmm_backend: str, platform: str
+    x_BM,
+    ids_B,
+    scale_B,
+    dy_BM,
+    w,
+    dw,
+    local_experts: int,
+    gmm_backend: str,
+    platform: str,
+    row_tile=None,
 ):
     """(dx_BM, dscale_B, dw + this slot's weight gradient): the pullback of
     `_slot_swiglu`, with the weight gradient added to the float32 accumulators `dw`. For
@@ -106,7 +119,7 @@ def _slot_swiglu_pullback(
     if gmm_backend != "tiled_gmm":
 
         def local(x, w_, s):
-            return _slot_swiglu(x, ids_B, w_, s, local_experts, gmm_backend, platform)
+            return _slot_swiglu(x, ids_B, w_, s, local_experts, gmm_backend, platform, row_tile)
 
         _, pullback = jax.vjp(local, x_BM, w, scale_B)
         dx_BM, dw_slot, dscale_B = pullback(dy_BM)
@@ -288,7 +301,14 @@ def _forward_rounds(x_TM, token_R, ids_R, group_sizes_E, w, scale_R, ex, buffer_
             # slot's result replaces its rows (read by this slot only), so no second
             # receive-sized buffer is held.
             y_BM = _slot_swiglu(
-                buffer_GBM[g], ids_GB[g], w, scale_GB[g], local_experts, ex.gmm_backend, ex.platform
+                buffer_GBM[g],
+                ids_GB[g],
+                w,
+                scale_GB[g],
+                local_experts,
+                ex.gmm_backend,
+                ex.platform,
+                ex.row_tile,
             )
             return lax.dynamic_update_index_in_dim(buffer_GBM, y_BM.astype(buffer_GBM.dtype), g, 0)
 
@@ -359,6 +379,7 @@ def _bwd(ex: ExchangeGroup, buffer_rows: int, res, cotangents):
                 local_experts,
                 ex.gmm_backend,
                 ex.platform,
+                ex.row_tile,
             )
             dx_GBM = lax.dynamic_update_index_in_dim(dx_GBM, dx_BM.astype(dx_GBM.dtype), g, 0)
             dscale_GB = lax.dynamic_update_index_in_dim(dscale_GB, dscale_B, g, 0)

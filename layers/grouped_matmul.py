@@ -235,16 +235,20 @@ def _tiled_bwd(res, dys_RN):
 tiled_gmm.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def gmm_multi(x_RK, ws_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None):
+def gmm_multi(
+    x_RK, ws_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None, row_tile=None
+):
     """(gmm(x, w) for w in ws_EKN): the tiled backend reads x once for all of them and
     writes one input gradient; other backends run one gmm each."""
     group_sizes_E = group_sizes_E.astype(jnp.int32)
     if backend == "tiled_gmm":
         return tiled_gmm(x_RK, tuple(ws_EKN), group_sizes_E)
-    return tuple(gmm(x_RK, w, group_sizes_E, backend, platform=platform) for w in ws_EKN)
+    return tuple(
+        gmm(x_RK, w, group_sizes_E, backend, platform=platform, row_tile=row_tile) for w in ws_EKN
+    )
 
 
-def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None):
+def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None, row_tile=None):
     """Grouped matmul with the named backend (see the module docstring).
 
     Args:
@@ -255,6 +259,8 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None
       platform: the platform of the mesh the program is compiled for (`pallas_megablox`
         runs natively on "tpu", in Pallas interpret mode elsewhere); default: JAX's
         backend.
+      row_tile: `pallas_megablox`'s rows a tile (the plan's `GmmTiling.tm`); default:
+        128. tiled_gmm walks its own classes and ragged_dot is XLA's, so they ignore it.
 
     Returns:
       y_RN: row r times the matrix of its group.
@@ -274,5 +280,6 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None
         return lax.ragged_dot(x_RK, w_EKN, group_sizes_E)
     if backend == "pallas_megablox":
         platform = jax.default_backend() if platform is None else platform
-        return pallas_gmm(x_RK, w_EKN, group_sizes_E, interpret=platform != "tpu")
+        tile = {} if row_tile is None else {"row_tile": row_tile}
+        return pallas_gmm(x_RK, w_EKN, group_sizes_E, interpret=platform != "tpu", **tile)
     raise ValueError(f"unknown gmm backend {backend!r}: tiled_gmm, ragged_dot or pallas_megablox")

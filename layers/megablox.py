@@ -47,7 +47,9 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
                 x_TM, token_R, sorted_ids_R, group_sizes_E, experts, weights_R, ex, buffer
             )
         else:
-            kernel = dict(backend=spec.gmm_backend, platform=spec.platform)
+            kernel = dict(
+                backend=spec.gmm_backend, platform=spec.platform, row_tile=spec.gmm_row_tile
+            )
             x_RM = jnp.take(x_TM, token_R, axis=0)
             gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, **kernel)
             act_RH = swiglu(gate_RH, up_RH) * weights_R[:, None]

@@ -11,8 +11,10 @@ axes its inputs vary over (the kernel computes per device, so that is what it is
 MaxText 0.2.5 instead turns the check off for its whole MoE shard_map (read in its
 source); we keep the check for everything but the kernel call.
 
-Rows are padded to the kernel's 128-row tile (MaxText 0.2.5's source pads them the same
-way): the padding lies past every group, so it is neither computed into nor read back.
+Rows are padded to a multiple of the row tile the plan chose (`GmmTiling.tm`,
+selector.tiling; MaxText 0.2.5's source pads them the same way to its
+`wi_tile_fwd_batch_seq`): the padding lies past every group, so it is neither computed
+into nor read back.
 Interpret mode (the kernel run by XLA, slowly) is for meshes that are not TPUs, decided
 from the mesh's devices, not the local backend, as MaxText 0.2.5's layers/moe.py decides
 it (read in its source), so a program compiled ahead of time for a TPU topology on a CPU
@@ -34,16 +36,14 @@ from jax import lax
 # call is the one place it must be off (see the module docstring).
 from jax._src import config as _jax_config
 
+from selector.plan_sizes import pallas_kn_tile
+
 from .vma import reduce_like, varying_like
 
 # The kernels' module (the package's `gmm` attribute is JAX's VJP-wrapped function).
 _kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
-ROW_TILE = 128  # the kernel's row tile; K and N use it when they divide by it
-
-
-def _tile(dim: int) -> int:
-    return ROW_TILE if dim % ROW_TILE == 0 else dim
+ROW_TILE = 128  # the row tile when no plan gives one (JAX's own default `tm`)
 
 
 def _unchecked(kernel, *args, **kwargs):
@@ -51,7 +51,7 @@ def _unchecked(kernel, *args, **kwargs):
         return kernel(*args, **kwargs)
 
 
-def _gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, transpose_w: bool = False):
+def _gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, tm: int, transpose_w: bool = False):
     k, n = (w_EKN.shape[2], w_EKN.shape[1]) if transpose_w else w_EKN.shape[1:]
     y_RN = _unchecked(
         _kernels.gmm,
@@ -59,14 +59,14 @@ def _gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, transpose_w: bool = False)
         w_EKN,
         group_sizes_E,
         x_RK.dtype,
-        (ROW_TILE, _tile(k), _tile(n)),
+        (tm, pallas_kn_tile(k), pallas_kn_tile(n)),
         transpose_rhs=transpose_w,
         interpret=interpret,
     )
     return varying_like(y_RN, x_RK, w_EKN, group_sizes_E)
 
 
-def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool):
+def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool, tm: int):
     k, n = x_RK.shape[1], dy_RN.shape[1]
     dw_EKN = _unchecked(
         _kernels.tgmm,
@@ -74,37 +74,38 @@ def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool):
         dy_RN,
         group_sizes_E,
         dtype,
-        (ROW_TILE, _tile(k), _tile(n)),
+        (tm, pallas_kn_tile(k), pallas_kn_tile(n)),
         interpret=interpret,
     )
     return varying_like(dw_EKN, x_RK, dy_RN, group_sizes_E)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _padded_gmm(x_RK, w_EKN, group_sizes_E, interpret: bool):
-    return _gmm(x_RK, w_EKN, group_sizes_E, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _padded_gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, tm: int):
+    return _gmm(x_RK, w_EKN, group_sizes_E, interpret, tm)
 
 
-def _fwd(x_RK, w_EKN, group_sizes_E, interpret):
-    return _gmm(x_RK, w_EKN, group_sizes_E, interpret), (x_RK, w_EKN, group_sizes_E)
+def _fwd(x_RK, w_EKN, group_sizes_E, interpret, tm):
+    return _gmm(x_RK, w_EKN, group_sizes_E, interpret, tm), (x_RK, w_EKN, group_sizes_E)
 
 
-def _bwd(interpret, res, dy_RN):
+def _bwd(interpret, tm, res, dy_RN):
     x_RK, w_EKN, group_sizes_E = res
-    dx_RK = _gmm(dy_RN, w_EKN, group_sizes_E, interpret, transpose_w=True)
-    dw_EKN = _tgmm(x_RK, dy_RN, group_sizes_E, w_EKN.dtype, interpret)
+    dx_RK = _gmm(dy_RN, w_EKN, group_sizes_E, interpret, tm, transpose_w=True)
+    dw_EKN = _tgmm(x_RK, dy_RN, group_sizes_E, w_EKN.dtype, interpret, tm)
     return reduce_like(dx_RK, x_RK), reduce_like(dw_EKN, w_EKN), None
 
 
 _padded_gmm.defvjp(_fwd, _bwd)
 
 
-def pallas_gmm(x_RK, w_EKN, group_sizes_E, *, interpret: bool):
+def pallas_gmm(x_RK, w_EKN, group_sizes_E, *, interpret: bool, row_tile: int = ROW_TILE):
     """y_RN = x_RK rows of group e times w_EKN[e], by the Pallas megablox kernels
-    (forward `gmm`; backward `gmm` against the transposed weights and `tgmm`).
-    The weight gradient comes back in the weights' dtype, as JAX's megablox returns it."""
+    (forward `gmm`; backward `gmm` against the transposed weights and `tgmm`), every
+    one with `row_tile` rows a tile (the plan's `GmmTiling.tm`). The weight gradient
+    comes back in the weights' dtype, as JAX's megablox returns it."""
     rows = x_RK.shape[0]
-    padded = -(-max(rows, 1) // ROW_TILE) * ROW_TILE
+    padded = -(-max(rows, 1) // row_tile) * row_tile
     x_pad = lax.pad(x_RK, jnp.zeros((), x_RK.dtype), ((0, padded - rows, 0), (0, 0, 0)))
-    y = _padded_gmm(x_pad, w_EKN, group_sizes_E.astype(jnp.int32), interpret)
+    y = _padded_gmm(x_pad, w_EKN, group_sizes_E.astype(jnp.int32), interpret, row_tile)
     return y[:rows]

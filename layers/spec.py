@@ -37,9 +37,13 @@ class MoESpec:
     # was computed for: the capacity path uses the plan's number, never a second formula.
     capacity_per_subgroup: int | None = None
     subgroup_len: float = 0.0
+    # The grouped matmul's rows a tile, as the plan chose it (`plan.gmm_tiling.tm`;
+    # None: the kernel's default, for a plan whose dispatch runs no grouped matmul).
+    gmm_row_tile: int | None = None
 
     @classmethod
     def from_config(cls, cfg, plan, layout: Layout) -> MoESpec:
+        row_tile = None if plan.gmm_tiling is None else plan.gmm_tiling.tm
         exchange = None
         if layout.group:
             exchange = ExchangeGroup(
@@ -51,6 +55,7 @@ class MoESpec:
                 gmm_backend=plan.gmm_backend,
                 dtype=jnp.dtype(cfg.dtype),
                 platform=layout.platform,
+                row_tile=row_tile,
             )
         return cls(
             cfg.num_experts,
@@ -73,6 +78,7 @@ class MoESpec:
             layout.platform,
             plan.per_device.capacity_per_subgroup,
             plan.per_device.sub_seq,
+            row_tile,
         )
 
     @property

@@ -19,14 +19,36 @@ Key = tuple[Dispatch, Exchange]
 
 
 @dataclass(frozen=True)
+class StepCompiled:
+    """XLA's memory analysis of the whole training step (`checks.step`), bytes per
+    device; params and optimizer are the parts of the arguments they take."""
+
+    arguments: float
+    outputs: float
+    temp: float
+    alias: float  # outputs written into donated arguments
+    params: float
+    optimizer: float
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.outputs + self.temp - self.alias
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "peak": self.peak}
+
+
+@dataclass(frozen=True)
 class CompiledCandidate:
-    """One candidate as estimated and as compiled (bytes per device)."""
+    """One candidate as estimated and as compiled (bytes per device): its MoE block
+    alone, or (`step`) the whole training step of the decoder with it."""
 
     estimate: Estimate
     as_compiled: Estimate  # the estimate with XLA's memory, and the fit that follows
     flops: float  # XLA's cost analysis
     bytes_accessed: float
     seconds: float  # compile time on this machine
+    step: StepCompiled | None = None  # the whole step, when it was compiled
 
     @property
     def name(self) -> str:
@@ -34,7 +56,9 @@ class CompiledCandidate:
 
     @property
     def compiled(self) -> Memory:
-        """XLA's arguments, outputs and temp."""
+        """XLA's arguments, outputs and temp (of the whole step, when compiled)."""
+        if self.step is not None:
+            return Memory(self.step.arguments, self.step.outputs, self.step.temp)
         return self.as_compiled.memory
 
     @property
@@ -48,8 +72,16 @@ class CompiledCandidate:
 
     @property
     def temp_error(self) -> float:
-        """Estimated temp over compiled, minus one."""
+        """Estimated temp over compiled, minus one (the block's; nan for a whole step,
+        whose temporaries the estimate does not name apart)."""
+        if self.step is not None:
+            return float("nan")
         return self.estimate.memory.temp / max(self.compiled.temp, 1) - 1
+
+    @property
+    def device_error(self) -> float:
+        """Estimated over compiled bytes a device holds, minus one."""
+        return self.estimate.device_bytes / max(self.device_bytes, 1) - 1
 
     def as_dict(self) -> dict:
         return {
@@ -60,12 +92,16 @@ class CompiledCandidate:
             "compiled": dataclasses.asdict(self.compiled),
             "device_bytes": self.device_bytes,
             "fits": self.fits,
-            "temp_error": self.temp_error,
+            "temp_error": None if self.step is not None else self.temp_error,
             "flops": self.flops,
             "estimated_flops": self.estimate.flops,
             "bytes_accessed": self.bytes_accessed,
             "estimated_hbm_bytes": self.estimate.traffic.hbm,
             "compile_seconds": self.seconds,
+            "compiled_program": "block" if self.step is None else "whole step",
+            "step": None if self.step is None else self.step.as_dict(),
+            "estimated_breakdown": self.estimate.device_breakdown,
+            "device_error": self.device_error,
         }
 
 

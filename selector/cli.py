@@ -292,7 +292,10 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         return EXIT_OK
     plan, findings, compiled = analysed(imported.config)
     if imported.exchange_is_maxtexts:
-        free = imported.config.replace(expert_exchange=Exchange.auto, expert_group=ExpertGroup.auto)
+        # Ours: the exchange and the row tile left to the selector.
+        free = imported.config.replace(
+            expert_exchange=Exchange.auto, expert_group=ExpertGroup.auto, gmm_row_tile=0
+        )
         note = imported.alternative(plan, analyse_any(free)[0])
         imported.notes += [note] if note else []
     findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])

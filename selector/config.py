@@ -234,6 +234,9 @@ class Config:
     expert_buffer_factor: float = 0.5625
     allow_local_batch_inflation: bool = False
     gmm_backend: GmmBackend = GmmBackend.auto
+    # Rows a tile of the Pallas megablox kernels (their `tm`); 0: the selector prices
+    # each tile the kernel supports against the rows an expert gets (selector.tiling).
+    gmm_row_tile: int = 0
     # Compile the chosen candidate and the runner-up for the hardware on this machine
     # (XLA:TPU / XLA:GPU ahead of time, XLA:CPU on simulated devices) and let the
     # compiled memory decide what fits (selector.compile_check).

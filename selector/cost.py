@@ -48,6 +48,7 @@ from .memory_model import (
 from .mesh import MeshView
 from .per_device import PerDevice
 from .placement import WeightPlacement
+from .plan_sizes import GmmTiling
 from .problem import (
     DeviceProblem,
     buffer_rows,
@@ -58,6 +59,7 @@ from .problem import (
     rows,
 )
 from .step_memory import StepMemory, step_memory
+from .tiling import TileOption
 from .time_model import fitted_parts
 
 
@@ -124,6 +126,13 @@ class Estimate:
     # The rest of the whole step (selector.step_memory): the model's state at rest,
     # the activations saved across layers, the logits, the attention's peak.
     step: StepMemory | None = None
+    # The whole step's peak as XLA compiled it (compile mode, `checks.step`); when set,
+    # it is what a device holds.
+    compiled_step_bytes: float | None = None
+    # The grouped matmul's tiling (megablox only) and, for the Pallas kernels, every row
+    # tile priced (selector.tiling); `rows` is counted at the chosen tile.
+    tiling: GmmTiling | None = None
+    tile_options: tuple[TileOption, ...] = ()
 
     @property
     def block_transient(self) -> float:
@@ -136,7 +145,10 @@ class Estimate:
     @property
     def device_bytes(self) -> float:
         """What a device holds at the whole step's peak (`StepMemory.total`); without
-        a step, the MoE layers' state at rest plus this block's peak."""
+        a step, the MoE layers' state at rest plus this block's peak. A whole step
+        compiled (`compiled_step_bytes`) speaks instead of either."""
+        if self.compiled_step_bytes is not None:
+            return self.compiled_step_bytes
         if self.step is None:
             return self.state_bytes + self.block_transient
         return self.step.total(self.block_transient)
@@ -163,6 +175,7 @@ class Estimate:
         d["traffic"]["network"] = self.traffic.network
         d["traffic"]["weights_bytes"] = self.traffic.weights_bytes
         d["traffic"]["rows_bytes"] = self.traffic.rows_bytes
+        d["tile_options"] = [{**asdict(o), "time_s": o.time_s} for o in self.tile_options]
         return d
 
 
@@ -320,6 +333,8 @@ def estimate(
         fits=True,
         input_bytes=p.T * p.M * p.xb,
         step=step,
+        tiling=p.tiling if strategy is Dispatch.megablox and not p.gmm_dense else None,
+        tile_options=p.tile_options if strategy is Dispatch.megablox else (),
     )
     return with_memory(est, memory, hw.memory_gib)
 

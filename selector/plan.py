@@ -60,6 +60,12 @@ class DispatchPlan:
         return describe(self.placement, self.mesh, self.training)
 
     @property
+    def gmm_tiling(self):
+        """The chosen candidate's grouped-matmul tiling (`GmmTiling`; None when the
+        chosen dispatch runs no grouped matmul): what the layers pass the kernel."""
+        return self.chosen_estimate.tiling
+
+    @property
     def cp(self) -> int:
         return self.per_device.cp
 

@@ -3,6 +3,7 @@ sizes, dtypes, how the weights are split, and the rows each expert FFN processes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -11,8 +12,10 @@ from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Mode
 from .mesh import MeshView
 from .per_device import PerDevice
 from .placement import WeightPlacement
-from .plan_sizes import exchange_buffer_rows, shared_width
+from .plan_sizes import GmmTiling, exchange_buffer_rows, shared_width
 from .tiles import exchanged_calls, gathered_calls, kernel_rows, routed_rows
+from .tiling import TileOption, TileShape
+from .tiling import choose as choose_tiling
 
 # Row tile of each backend. The Pallas kernels and tiled_gmm are counted from their own
 # tile plans (selector.tiles); ragged_dot on TPU is XLA's lowering, whose plan we have
@@ -74,6 +77,9 @@ class DeviceProblem:
     hidden_shards: int = 1
     hidden_dcn: int = 1
     kernel: str = "tiled_gmm"  # the grouped-matmul backend (gmm_backend)
+    # The grouped matmul's tiling (megablox; `tile` is its tm) and the tiles priced.
+    tiling: GmmTiling | None = None
+    tile_options: tuple[TileOption, ...] = ()
 
 
 def problem_shape(
@@ -91,7 +97,7 @@ def problem_shape(
     gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
     gathered = mesh.product(gathered_axes)
     replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
-    return DeviceProblem(
+    p = DeviceProblem(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
         S=dev.sub_seq,
@@ -123,6 +129,28 @@ def problem_shape(
         hidden_dcn=mesh.dcn_product(place.hidden_axes),
         kernel=gmm_backend(cfg),
     )
+    return with_tiling(cfg, p)
+
+
+def with_tiling(cfg: Config, p: DeviceProblem) -> DeviceProblem:
+    """`p` with the grouped matmul's row tile chosen for its rows (selector.tiling):
+    the Pallas kernels' `tm` becomes `p.tile`, which the rows are counted at."""
+    shape = TileShape(
+        routed=routed_rows(p.T, p.k),
+        experts=p.E,
+        group=p.group,
+        buffer=int(buffer_rows(p)),
+        emb=p.M,
+        hidden=max(1, round(p.H)),
+        itemsize=p.xb,
+        train=p.train,
+    )
+    hw = cfg.hardware
+    tiling, options = choose_tiling(
+        p.kernel, shape, cfg.gmm_row_tile, hw.peak_bf16_tflops * 1e12, hw.hbm_bandwidth_gbps * 1e9
+    )
+    tile = tiling.tm if p.kernel == "pallas_megablox" else p.tile
+    return dataclasses.replace(p, tile=tile, tiling=tiling, tile_options=options)
 
 
 def link_split(total: float, devices: int, slices: int) -> tuple[float, float]:
@@ -154,15 +182,19 @@ def buffer_rows(p: DeviceProblem) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def kernel_rows_uniform(kernel: str, routed: int, experts: int, group: int, buffer: int) -> int:
+def kernel_rows_uniform(
+    kernel: str, routed: int, experts: int, group: int, buffer: int, tm: int = 128
+) -> float:
     """Rows `kernel` computes on a device under uniform routing: one call over the
     device's `routed` rows (group 1, gathered), or one call per exchange slot of
-    `buffer` rows (`group` > 1). Cached: every candidate and every fix prices it."""
+    `buffer` rows (`group` > 1); `tm`: the Pallas kernels' row tile, their tiles
+    counted on average over where groups start (`pallas_expected_tiles`). Cached:
+    every candidate and every fix prices it."""
     if group > 1:
         calls = exchanged_calls(routed, experts, group, buffer)
     else:
         calls = gathered_calls(routed, experts)
-    return kernel_rows(kernel, calls)
+    return kernel_rows(kernel, calls, tm, expected=True)
 
 
 def rows(strategy: Dispatch, p: DeviceProblem) -> float:
@@ -175,7 +207,8 @@ def rows(strategy: Dispatch, p: DeviceProblem) -> float:
             return p.T * p.k * p.E_c
         if p.kernel in ("pallas_megablox", "tiled_gmm"):
             routed = routed_rows(p.T, p.k)
-            return float(kernel_rows_uniform(p.kernel, routed, p.E, p.group, int(buffer_rows(p))))
+            buffer = int(buffer_rows(p))
+            return float(kernel_rows_uniform(p.kernel, routed, p.E, p.group, buffer, p.tile))
         # Each expert's last tile is computed whole: on average half a tile each.
         return p.T * p.k + min(p.E_c, p.T * p.k) * p.tile / 2
     if strategy is Dispatch.dense:

@@ -21,8 +21,12 @@ def _wrap(text: str, indent: str) -> str:
     return textwrap.fill(text, width=92, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
-def render_compiled(check) -> list[str]:
-    """The compile check's table: each compiled candidate, estimated beside compiled."""
+def render_compiled(check, memory_gib: float | None = None) -> list[str]:
+    """The compile check's table: each compiled candidate, estimated beside compiled
+    (the whole training step's bytes a device when the step was compiled, against the
+    chip's `memory_gib`; else the MoE block's temporaries)."""
+    if any(c.step is not None for c in check.compiled):
+        return _render_compiled_step(check, memory_gib)
     lines = [
         "",
         f"Compiled for {check.target} (ahead of time on this machine; nothing ran)",
@@ -40,6 +44,38 @@ def render_compiled(check) -> list[str]:
         )
     lines.append(
         f"  choice after compiling: {chosen}"
+        + (
+            f" (the estimate chose {check.estimated_choice}; compiled numbers decide)"
+            if check.changed
+            else " (as estimated)"
+        )
+    )
+    return lines
+
+
+def _render_compiled_step(check, memory_gib: float | None) -> list[str]:
+    chip = f", a chip holds {memory_gib:g} GiB" if memory_gib else ""
+    lines = [
+        "",
+        f"Compiled the whole training step for {check.target} (ahead of time on this "
+        f"machine; nothing ran{chip})",
+        f"  {'candidate':<21} {'args GiB':>9} {'of it params':>12} {'optimizer':>9}"
+        f" {'temp GiB':>9} {'peak GiB XLA':>12} {'est GiB':>8} {'error':>7} {'fits':>5}"
+        f" {'compile s':>9}",
+    ]
+    chosen = check.plan.chosen_estimate.name
+    for c in check.compiled:
+        if c.step is None:
+            continue
+        s, g = c.step, 2**30
+        lines.append(
+            f"{'*' if c.name == chosen else ' '} {c.name:<21} {s.arguments / g:>9.3g} "
+            f"{s.params / g:>12.3g} {s.optimizer / g:>9.3g} {s.temp / g:>9.3g} "
+            f"{s.peak / g:>12.3g} {c.estimate.device_bytes / g:>8.3g} "
+            f"{c.device_error:>+7.0%} {'yes' if c.fits else 'NO':>5} {c.seconds:>9.0f}"
+        )
+    lines.append(
+        f"  choice after compiling the whole step: {chosen}"
         + (
             f" (the estimate chose {check.estimated_choice}; compiled numbers decide)"
             if check.changed
@@ -141,6 +177,7 @@ def render_text(
                 else ""
             ),
             _wrap(f"why: {plan.reason}", "  "),
+            *_tile_lines(plan),
             *(
                 [f"  compiles for: {plan.target} (selector.targets; python -m bench.targets)"]
                 if plan.target
@@ -151,7 +188,11 @@ def render_text(
         ]
     if compiled is not None:  # a compile check, or a measure check
         measured = isinstance(compiled, MeasureCheck)
-        lines += render_measured(compiled) if measured else render_compiled(compiled)
+        lines += (
+            render_measured(compiled)
+            if measured
+            else render_compiled(compiled, cfg.hardware.memory_gib)
+        )
     lines += ["", f"Findings ({len(findings)})" if findings else "Findings: none"]
     for f in findings:
         lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
@@ -164,6 +205,21 @@ def render_text(
         else f"OK: no errors, {n_warn} warning(s)",
     ]
     return "\n".join(lines)
+
+
+def _tile_lines(plan: DispatchPlan) -> list[str]:
+    """The chosen grouped matmul's row tile, the rows it computes, and each tile priced."""
+    tiling, est = plan.gmm_tiling, plan.chosen_estimate
+    if tiling is None:
+        return []
+    text = (
+        f"row tile: {tiling.tm} ({tiling.source}): {_n(est.rows)} rows computed for "
+        f"{_n(plan.per_device.gmm_rows)} routed"
+    )
+    if est.tile_options:
+        priced = ", ".join(f"{o.tm}: {o.time_s * 1e3:.3g}" for o in est.tile_options)
+        text += f"; kernel ms by tile {priced}"
+    return [_wrap(text, "  ")]
 
 
 def render_json(

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from .plan_sizes import pallas_kn_tile
+
 # The Pallas kernel's row tile (layers/pallas_gmm.py ROW_TILE: the `tm` the block passes).
 PALLAS_ROW_TILE = 128
 # tiled_gmm's full-tile classes, largest first (layers/grouped_matmul.py TILE_ROWS).
@@ -58,6 +60,15 @@ def pallas_tiles(group_sizes: Sequence[int], tm: int, *, visit_empty: bool = Fal
     return tiles
 
 
+def pallas_expected_tiles(group_sizes: Sequence[int], tm: int) -> float:
+    """`pallas_tiles` on average over where each group starts within its first tile, as
+    routed groups start (the sizes before each vary from step to step): a group of s
+    rows starting at a uniform row of a tile visits 1 + (s - 1) / tm tiles. An even
+    split instead puts every start at a few fixed rows (40-row groups in 32-row tiles
+    start at 0, 8, 16, 24) and counts 10% under sampled routing there."""
+    return sum(1 + (s - 1) / tm for s in group_sizes if s > 0)
+
+
 def pallas_rows(group_sizes: Sequence[int], tm: int = PALLAS_ROW_TILE) -> int:
     """Rows the Pallas kernels compute: the tiles that do a dot, times `tm`. `gmm`
     (forward and input gradient) and `tgmm` (weight gradient) compute the same tiles:
@@ -87,13 +98,103 @@ def tiled_gmm_rows(group_sizes: Sequence[int], array_rows: int) -> int:
     return computed
 
 
-def kernel_rows(kernel: str, calls: Iterable[Call]) -> int:
-    """Rows `kernel` ("pallas_megablox" or "tiled_gmm") computes over `calls`."""
+def kernel_rows(
+    kernel: str, calls: Iterable[Call], tm: int = PALLAS_ROW_TILE, *, expected: bool = False
+) -> float:
+    """Rows `kernel` ("pallas_megablox" or "tiled_gmm") computes over `calls`; `tm`:
+    the Pallas kernels' row tile (tiled_gmm walks its own classes); `expected`: the
+    Pallas tiles on average over where groups start (`pallas_expected_tiles`)."""
+    if kernel == "pallas_megablox" and expected:
+        return sum(pallas_expected_tiles(sizes, tm) for sizes, _ in calls) * tm
     if kernel == "pallas_megablox":
-        return sum(pallas_rows(sizes) for sizes, _ in calls)
+        return sum(pallas_rows(sizes, tm) for sizes, _ in calls)
     if kernel == "tiled_gmm":
         return sum(tiled_gmm_rows(sizes, rows) for sizes, rows in calls)
     raise ValueError(f"no tile plan for kernel {kernel!r}")
+
+
+def pallas_m_tiles(
+    group_sizes: Sequence[int], tm: int, array_rows: int, *, visit_empty: bool = False
+) -> int:
+    """Distinct m tiles `make_group_metadata`'s schedule visits on an array of
+    `array_rows` rows (padded to `tm`; its `m_tile_ids` run in order, each tile's visits
+    together); an empty group's visit (`visit_empty`) lands on the tile holding its
+    offset, or the array's last tile for an offset past it."""
+    last = max(-(-array_rows // tm), 1) - 1
+    seen: set[int] = set()
+    start = 0
+    for size in group_sizes:
+        end = start + size
+        if size > 0:
+            seen.update(range(start // tm, -(-end // tm)))
+        elif visit_empty:
+            seen.add(min(start // tm, last))
+        start = end
+    return len(seen)
+
+
+def _gmm_fetches(visits: int, m_tiles: int, groups: int, tiles_k: int, tiles_n: int):
+    """(lhs, rhs, out) block transfers of `gmm`'s grid (n, visit, k), k innermost: a
+    block moves whenever its index differs from the previous step's. With more than one
+    k tile the (tm, tk) rows and the (tk, tn) weight move on every step; with one, the
+    rows move when the m tile changes (and not across an n step when only one m tile is
+    visited) and the weight when the group changes."""
+    if tiles_k > 1:
+        lhs = rhs = tiles_n * visits * tiles_k
+    else:
+        lhs = tiles_n * m_tiles - (tiles_n - 1) * (m_tiles == 1)
+        rhs = tiles_n * groups
+    return lhs, rhs, tiles_n * m_tiles
+
+
+def _tgmm_fetches(m_tiles: int, groups: int, tiles_k: int, tiles_n: int):
+    """(lhs, rhs, out) block transfers of `tgmm`'s grid (n, k, visit), visits innermost:
+    the (tm, tk) rows and the (tm, tn) cotangent move with the m tile, and across an
+    outer step only when their own outer index changes or more than one m tile is
+    visited; the (tk, tn) gradient is written once per group and outer step."""
+    outer = tiles_n * tiles_k
+    one = m_tiles == 1
+    lhs = outer * m_tiles - (tiles_n - 1) * (tiles_k == 1 and one)
+    rhs = outer * m_tiles - tiles_n * (tiles_k - 1) * one
+    return lhs, rhs, outer * groups
+
+
+def pallas_hbm_bytes(
+    calls: Sequence[Call],
+    tm: int,
+    matmuls: Sequence[tuple[int, int]],
+    itemsize: int,
+    train: bool,
+    *,
+    expected: bool = False,
+) -> float:
+    """HBM bytes the Pallas kernels' grids move over `calls`, for each (K, N) weight of
+    `matmuls` (all in the compute dtype, `itemsize` bytes), at row tile `tm`: `gmm`
+    forward; training adds the input gradient (`gmm` against the transposed weight: K and
+    N swap roles) and `tgmm` (which also visits empty groups). Counted from the grids
+    step by step, as Pallas's TPU pipeline moves a block only when its index changes
+    (`_gmm_fetches`, `_tgmm_fetches`); K and N tiles are `pallas_kn_tile`'s, as the
+    layers pass them. So the forward reads a visited expert's whole (K, N) weight for
+    every m tile it visits whenever K spans more than one tile. `expected`: the visits
+    on average over where groups start (`pallas_expected_tiles`)."""
+    total = 0.0
+    for sizes, rows in calls:
+        visits = pallas_expected_tiles(sizes, tm) if expected else pallas_tiles(sizes, tm)
+        m_tiles = pallas_m_tiles(sizes, tm, rows)
+        groups = sum(1 for s in sizes if s > 0)
+        for k, n in matmuls:
+            tk, tn = pallas_kn_tile(k), pallas_kn_tile(n)
+            tiles_k, tiles_n = -(-k // tk), -(-n // tn)
+            lhs, rhs, out = _gmm_fetches(visits, m_tiles, groups, tiles_k, tiles_n)
+            total += lhs * tm * tk + rhs * tk * tn + out * tm * tn
+            if not train:
+                continue
+            lhs, rhs, out = _gmm_fetches(visits, m_tiles, groups, tiles_n, tiles_k)
+            total += lhs * tm * tn + rhs * tn * tk + out * tm * tk
+            m_all = pallas_m_tiles(sizes, tm, rows, visit_empty=True)
+            lhs, rhs, out = _tgmm_fetches(m_all, len(sizes), tiles_k, tiles_n)
+            total += lhs * tm * tk + rhs * tm * tn + out * tk * tn
+    return total * itemsize
 
 
 def gathered_calls(rows: int, experts: int) -> list[Call]:

@@ -161,3 +161,9 @@ def test_cli_compiles_for_v5p_and_reports_both(tmp_path):
     for c in compiled["candidates"]:
         assert c["compiled"]["temp"] > 0 and c["flops"] > 0
     assert report["plan"]["candidates"]  # the plan after compiling
+    # A training config compiles the whole step; a megablox step on TPU runs tiled_gmm
+    # (Pallas does not lower in the checkpointed scan), and the report says so.
+    assert all(c["step"]["optimizer"] > 0 for c in compiled["candidates"])
+    megablox = [c for c in compiled["candidates"] if c["name"].startswith("megablox")]
+    codes = [f["code"] for f in report["findings"]]
+    assert ("STEP_COMPILED_WITH_OTHER_GMM" in codes) == bool(megablox)

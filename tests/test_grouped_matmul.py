@@ -138,6 +138,50 @@ def test_pallas_megablox_pads_rows_to_its_tile(sizes):
     assert_close(got[1], want[1], what="pallas dw")
 
 
+def _recording_kernels(monkeypatch):
+    """Wrap the Pallas kernels the layers call, recording each call's (tiling, rows)."""
+    from layers import pallas_gmm
+
+    seen = []
+    for name in ("gmm", "tgmm"):
+        kernel = getattr(pallas_gmm._kernels, name)
+
+        def recorded(lhs, rhs, sizes, dtype, tiling, *args, _kernel=kernel, _name=name, **kw):
+            rows = lhs.shape[1] if _name == "tgmm" else lhs.shape[0]  # tgmm takes x^T
+            seen.append((_name, tuple(tiling), rows))
+            return _kernel(lhs, rhs, sizes, dtype, tiling, *args, **kw)
+
+        monkeypatch.setattr(pallas_gmm._kernels, name, recorded)
+    return seen
+
+
+@pytest.mark.parametrize("row_tile", [8, 32, 128])
+def test_pallas_megablox_runs_the_row_tile_it_is_given(monkeypatch, row_tile):
+    """The row tile a caller passes (the plan's) is the `tm` of every kernel call,
+    forward gmm, input-gradient gmm and tgmm, the rows are padded to it, and the result
+    still equals tiled_gmm's forward and backward."""
+    seen = _recording_kernels(monkeypatch)
+    sizes = [40, 0, 77, 83]
+    rows = sum(sizes)
+    x = jax.random.normal(jax.random.key(0), (rows, 64))
+    w = jax.random.normal(jax.random.key(1), (len(sizes), 64, 128))
+    dy = jax.random.normal(jax.random.key(2), (rows, 128))
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def loss(backend, **tile):
+        return lambda x, w: jnp.sum(gmm(x, w, gs, backend, **tile) * dy)
+
+    y = gmm(x, w, gs, "pallas_megablox", row_tile=row_tile)
+    assert_close(y, gmm(x, w, gs, "tiled_gmm"), what="pallas forward")
+    got = jax.grad(loss("pallas_megablox", row_tile=row_tile), argnums=(0, 1))(x, w)
+    want = jax.grad(loss("tiled_gmm"), argnums=(0, 1))(x, w)
+    assert_close(got[0], want[0], what="pallas dx")
+    assert_close(got[1], want[1], what="pallas dw")
+    assert {name for name, _, _ in seen} == {"gmm", "tgmm"}
+    padded = -(-rows // row_tile) * row_tile
+    assert {(tiling[0], m) for _, tiling, m in seen} == {(row_tile, padded)}
+
+
 @pytest.mark.parametrize("backend", ["tiled_gmm", "pallas_megablox"])
 def test_weight_gradient_comes_back_in_the_weights_dtype(backend):
     """float32 rows against bfloat16 weights: the weight gradient is bfloat16, as JAX's

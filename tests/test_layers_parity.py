@@ -162,3 +162,33 @@ def test_pallas_kernels_inside_the_block_match_the_reference(jax_cpu8, mesh_name
     assert_close(gx, rgx, what="d/dx")
     for name in ("gate_ME", "wi_0_EMH", "wi_1_EMH", "wo_EHM"):
         assert_close(getattr(gw, name), getattr(rgw, name), what=f"d/d{name}")
+
+
+@pytest.mark.parametrize("exchange", ["gather", "all_to_all"])
+def test_the_plans_row_tile_reaches_the_pallas_kernels(jax_cpu8, monkeypatch, exchange):
+    """The block passes the plan's row tile (`plan.gmm_tiling.tm`, here forced by
+    gmm_row_tile) to every Pallas kernel call, gathered and exchanged, forward and
+    backward, and still equals the reference."""
+    from test_grouped_matmul import _recording_kernels
+
+    model = build(
+        "megablox",
+        MESHES["fsdp2_cp4"],
+        BATCH,
+        SEQ,
+        "gmm_backend=pallas_megablox",
+        "gmm_row_tile=16",
+        f"expert_exchange={exchange}",
+    )
+    assert model.plan.gmm_tiling.tm == 16 and model.plan.gmm_tiling.source == "gmm_row_tile"
+    seen = _recording_kernels(monkeypatch)
+    x, cot = inputs(BATCH, SEQ)
+    y, _, gw, gx = loss_and_grads(model, x, cot)
+    assert {name for name, _, _ in seen} == {"gmm", "tgmm"}
+    assert {tiling[0] for _, tiling, _ in seen} == {16}
+    assert all(rows % 16 == 0 for _, _, rows in seen)
+    ry, rgw, rgx = reference_grads(model, x, cot, model.layout.size(model.layout.sequence))
+    assert_close(y, ry, what="output")
+    assert_close(gx, rgx, what="d/dx")
+    for name in ("gate_ME", "wi_0_EMH", "wi_1_EMH", "wo_EHM"):
+        assert_close(getattr(gw, name), getattr(rgw, name), what=f"d/d{name}")

@@ -531,3 +531,35 @@ def test_maxtext_habits_positional_config_topology_and_model_file(maxtext_dir, c
     assert main([model, "model_name=mixtral-8x7b"]) == 2
     assert main(["no/such/base.yml"]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+QWEN3_NEXT_CP4 = [
+    "model_name=qwen3-next-80b-a3b",
+    "ici_context_parallelism=4",
+    "per_device_batch_size=0.25",
+    "max_target_length=8192",
+    "num_devices=64",
+]
+
+
+@pytest.mark.parametrize("override, origin", [(None, "from base.yml"), (64, "from your override")])
+def test_maxtext_row_tile_is_honoured(base, override, origin):
+    """MaxText's megablox path runs its Pallas kernel at wi_tile_fwd_batch_seq rows a
+    tile, unclamped (read in its layers/moe.py): the route counts the rows at it, the
+    layers get it as the plan's tile, and a note says where the value came from. At
+    base.yml's 512 and 40 routed rows an expert that is 512 + 39 rows of work each."""
+    extra = [] if override is None else [f"wi_tile_fwd_batch_seq={override}"]
+    imported = selector.from_maxtext(base, QWEN3_NEXT_CP4 + extra)
+    tm = 512 if override is None else override
+    assert imported.config.gmm_row_tile == tm
+    assert any(f"wi_tile_fwd_batch_seq={tm} ({origin})" in n for n in imported.notes)
+    plan, found = selector.api.analyse_any(imported.config)
+    assert plan is not None and "GMM_ROW_TILE_UNSUPPORTED" not in codes(found)
+    assert (plan.gmm_tiling.tm, plan.gmm_tiling.source) == (tm, "gmm_row_tile")
+    assert plan.chosen_estimate.rows == 512 * (tm + 39)  # 512 experts of 40 rows
+
+
+def test_maxtext_row_tile_the_kernel_cannot_take_is_an_error(base):
+    imported = selector.from_maxtext(base, QWEN3_NEXT_CP4 + ["wi_tile_fwd_batch_seq=20"])
+    _, found = selector.api.analyse_any(imported.config)
+    assert "GMM_ROW_TILE_UNSUPPORTED" in codes(found)

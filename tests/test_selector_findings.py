@@ -18,6 +18,12 @@ DECODE_EP = (
 # (code, severity, overrides that trigger it, near overrides that do not)
 CASES = [
     (
+        "GMM_ROW_TILE_UNUSED",
+        "warning",
+        ("hardware=h100", "gmm_row_tile=64"),
+        ("hardware=h100", "gmm_row_tile=0"),
+    ),
+    (
         "LOCAL_BATCH_INFLATION",
         "error",
         (*CP4, "per_device_batch_size=1"),

@@ -93,14 +93,70 @@ def test_the_selectors_constants_are_the_kernels():
         assert tiles.tiled_gmm_classes(rows) == tile_classes(rows), rows
 
 
-@pytest.mark.parametrize("tm", [128, 64])
+@pytest.mark.parametrize("tm", [128, 64, 32, 16])
 @pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
 def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
     """gmm's schedule (no visits to empty groups) and tgmm's (one visit each), tile for
-    tile; a tile two groups share counts once for each."""
+    tile; a tile two groups share counts once for each. Also the distinct m tiles the
+    schedule visits (what the grid's row blocks move with)."""
     for visit_empty in (False, True):
-        expected = _metadata(sizes, ROWS, tm, visit_empty)[2]
+        _, m_tile_ids, expected = _metadata(sizes, ROWS, tm, visit_empty)
         assert tiles.pallas_tiles(sizes, tm, visit_empty=visit_empty) == expected
+        distinct = len(set(m_tile_ids[:expected].tolist()))
+        assert tiles.pallas_m_tiles(sizes, tm, ROWS, visit_empty=visit_empty) == distinct
+
+
+def _moves(indices) -> int:
+    """Block transfers of a grid walk: one for every step whose block index differs from
+    the previous step's (Pallas's TPU pipeline fetches, or writes back, only then)."""
+    return sum(1 for i, index in enumerate(indices) if i == 0 or index != indices[i - 1])
+
+
+def _walked_bytes(sizes, tm: int, k: int, n: int, train: bool) -> int:
+    """HBM elements the kernels' grids move, walked step by step over the kernel's own
+    schedule with the BlockSpec index maps of jax's megablox gmm.py: gmm's grid is
+    (n tiles, visits, k tiles), tgmm's (n tiles, k tiles, visits with empty groups)."""
+    tk, tn = (128 if d % 128 == 0 else d for d in (k, n))
+
+    def gmm(contract, out, tc, to):
+        group_ids, m_ids, visits = _metadata(sizes, ROWS, tm, False)
+        steps = [
+            (j, t, c)
+            for j in range(-(-out // to))
+            for t in range(visits)
+            for c in range(-(-contract // tc))
+        ]
+        lhs = _moves([(m_ids[t], c) for j, t, c in steps])
+        rhs = _moves([(group_ids[t], c, j) for j, t, c in steps])
+        res = _moves([(m_ids[t], j) for j, t, c in steps])
+        return lhs * tm * tc + rhs * tc * to + res * tm * to
+
+    total = gmm(k, n, tk, tn)
+    if train:
+        total += gmm(n, k, tn, tk)  # the input gradient: the weight transposed
+        group_ids, m_ids, visits = _metadata(sizes, ROWS, tm, True)
+        steps = [
+            (j, c, t) for j in range(-(-n // tn)) for c in range(-(-k // tk)) for t in range(visits)
+        ]
+        lhs = _moves([(m_ids[t], c) for j, c, t in steps])
+        rhs = _moves([(m_ids[t], j) for j, c, t in steps])
+        res = _moves([(group_ids[t], c, j) for j, c, t in steps])
+        total += lhs * tm * tk + rhs * tm * tn + res * tk * tn
+    return total
+
+
+WEIGHTS = [(256, 128), (128, 384), (128, 128), (384, 256)]  # one or several k and n tiles
+
+
+@pytest.mark.parametrize("tm", [128, 32])
+@pytest.mark.parametrize("sizes", ALL_CASES[:8] + ALL_CASES[-4:], ids=CASE_IDS[:8] + CASE_IDS[-4:])
+def test_pallas_hbm_bytes_are_the_grids_block_moves(sizes, tm):
+    """The bytes the tile choice is priced with are the blocks the kernels' grids move,
+    walked step by step over make_group_metadata's schedule (forward, and training's
+    input and weight gradients), for weights of one and of several k and n tiles."""
+    for train in (False, True):
+        walked = sum(_walked_bytes(sizes, tm, k, n, train) for k, n in WEIGHTS)
+        assert tiles.pallas_hbm_bytes([(sizes, ROWS)], tm, WEIGHTS, 1, train) == walked
 
 
 @pytest.mark.parametrize("sizes", ALL_CASES, ids=CASE_IDS)
@@ -168,14 +224,14 @@ def _rounds(senders, experts: int, group: int, buffer: int) -> int:
     return -(-most // buffer)
 
 
-def _exchanged_kernel_rows(senders, experts, group, buffer, kernel) -> float:
+def _exchanged_kernel_rows(senders, experts, group, buffer, kernel, tm=ROW_TILE) -> float:
     """What a device computes on average, every sender's slots run by their owners."""
     rounds = _rounds(senders, experts, group, buffer)
     total = 0
     for ids in senders:
         for sizes in _sender_slots(ids, experts, group, buffer, rounds):
             if kernel == "pallas_megablox":
-                total += kernel_pallas_rows(sizes, buffer)
+                total += kernel_pallas_rows(sizes, buffer, tm)
             else:
                 total += kernel_tiled_rows(sizes, buffer)
     return total / len(senders)
@@ -217,9 +273,10 @@ def _sampled_ids(rng, tokens: int, k: int, experts: int):
 @pytest.mark.parametrize("kernel", ["pallas_megablox", "tiled_gmm"])
 def test_cli_rows_at_the_qwen3_next_preset_are_the_kernels(kernel):
     """Qwen3-Next with cp=4 on v5p (2,048 tokens a device, k=10, E=512): each megablox
-    candidate's `rows` is the kernel's count under the even split exactly, and within
-    5% of it under sampled uniform routing (there, groups start anywhere in a tile:
-    about one more tile per expert than the even split's 40-row groups share)."""
+    candidate's `rows` (the Pallas kernels' at the plan's row tile) is within 5% of the
+    kernel's count under sampled uniform routing, and tiled_gmm's is its count under
+    the even split exactly (sampled groups start anywhere in a tile, as the Pallas
+    count assumes: `pallas_expected_tiles`)."""
     report = _cli_json(
         "model=qwen3_next_80b_a3b", "ici_context_parallelism=4", f"gmm_backend={kernel}"
     )
@@ -228,6 +285,8 @@ def test_cli_rows_at_the_qwen3_next_preset_are_the_kernels(kernel):
     k, experts = 10, 512
     rows = int(tokens * k)
     gather, exchange = by_name["megablox/gather"], by_name["megablox/all_to_all"]
+    tm = gather["tiling"]["tm"]  # the Pallas kernels' row tile, as the plan chose it
+    assert exchange["tiling"]["tm"] == tm
     group = experts // exchange["placement"]["experts_per_device"]
     assert group == 4  # the context axis
     buffer = exchange_buffer_rows(rows, group, 0.5625)
@@ -237,12 +296,75 @@ def test_cli_rows_at_the_qwen3_next_preset_are_the_kernels(kernel):
     def gathered_kernel(ids):
         sizes = np.bincount(ids, minlength=experts).tolist()
         if kernel == "pallas_megablox":
-            return kernel_pallas_rows(sizes, len(ids))
+            return kernel_pallas_rows(sizes, len(ids), tm)
         return kernel_tiled_rows(sizes, len(ids))
 
-    assert gather["rows"] == gathered_kernel(_even_ids(rows, experts))
-    assert gather["rows"] == pytest.approx(gathered_kernel(sampled[0]), rel=0.05)
     even = [_even_ids(rows, experts)] * group
-    assert exchange["rows"] == _exchanged_kernel_rows(even, experts, group, buffer, kernel)
-    measured = _exchanged_kernel_rows(sampled, experts, group, buffer, kernel)
+    if kernel == "tiled_gmm":  # its walk does not depend on where in a tile groups start
+        assert gather["rows"] == gathered_kernel(even[0])
+        assert exchange["rows"] == _exchanged_kernel_rows(even, experts, group, buffer, kernel)
+    assert gather["rows"] == pytest.approx(gathered_kernel(sampled[0]), rel=0.05)
+    measured = _exchanged_kernel_rows(sampled, experts, group, buffer, kernel, tm)
     assert exchange["rows"] == pytest.approx(measured, rel=0.05)
+
+
+QWEN3_NEXT_CP4 = (
+    "model=qwen3_next_80b_a3b",
+    "ici_context_parallelism=4",
+    "per_device_batch_size=0.25",
+    "max_target_length=8192",
+)
+
+
+def test_qwen3_next_cp4_row_tile_is_the_cheapest_priced():
+    """Qwen3-Next with cp=4 on v5p (40 routed rows an expert): each Pallas candidate's
+    row tile is the cheapest of the tiles priced, each tile's price is its rows' FLOPs
+    at peak plus the grids' HBM bytes at the chip's bandwidth (recounted here from
+    selector.tiles at that tile), and its `rows` is the rows at that tile. The rows come
+    within 1.5x of the routed rows only at a tile the priced time calls slower: every
+    tile that close costs more than the chosen one (the numbers the README quotes)."""
+    report = _cli_json(*QWEN3_NEXT_CP4)
+    plan = report["plan"]
+    routed = int(plan["per_device"]["gmm_rows"])
+    assert plan["gmm_backend"] == "pallas_megablox"
+    chosen = next(c for c in plan["candidates"] if c["chosen"])
+    for c in plan["candidates"]:
+        if c["tiling"] is None:
+            assert c["strategy"] != "megablox" and c["tile_options"] == []
+            continue
+        options = {o["tm"]: o for o in c["tile_options"]}
+        assert sorted(options) == [16, 32, 64, 128, 256, 512]  # bfloat16: whole sublanes
+        experts = 512
+        if c["exchange"] == "all_to_all":
+            group = experts // c["placement"]["experts_per_device"]
+            buffer = exchange_buffer_rows(routed, group, 0.5625)
+            calls = tiles.exchanged_calls(routed, experts, group, buffer)
+        else:
+            calls = tiles.gathered_calls(routed, experts)
+        for tm, o in options.items():
+            rows = tiles.kernel_rows("pallas_megablox", calls, tm, expected=True)
+            weights = [(2048, 512)] * 2 + [(512, 2048)]
+            hbm = tiles.pallas_hbm_bytes(calls, tm, weights, 2, True, expected=True)
+            assert o["rows"] == rows
+            assert o["compute_s"] == pytest.approx(2 * rows * 3 * 2048 * 512 * 3 / 459e12)
+            assert o["hbm_s"] == pytest.approx(hbm / 2765e9)
+        best = min(options.values(), key=lambda o: o["time_s"])
+        assert c["tiling"] == {"kernel": "pallas_megablox", "tm": best["tm"], "source": "priced"}
+        assert c["rows"] == best["rows"]
+        close = [o for o in options.values() if o["rows"] <= 1.5 * routed]
+        assert close, "some tile computes within 1.5x of the routed rows"
+        if c["rows"] > 1.5 * routed:
+            assert all(o["time_s"] > best["time_s"] for o in close)
+    by_tm = {o["tm"]: o for o in chosen["tile_options"]}
+    old, mine = by_tm[128], by_tm[chosen["tiling"]["tm"]]  # 128: the former constant
+    assert mine["rows"] < old["rows"] and mine["time_s"] < old["time_s"]
+
+
+def test_gmm_row_tile_forces_the_tile_and_is_counted_at_it():
+    """gmm_row_tile=128 takes the kernel's old tile back: rows 4x the routed ones."""
+    report = _cli_json(*QWEN3_NEXT_CP4, "gmm_row_tile=128")
+    chosen = next(c for c in report["plan"]["candidates"] if c["chosen"])
+    assert chosen["tiling"] == {"kernel": "pallas_megablox", "tm": 128, "source": "gmm_row_tile"}
+    routed = tiles.gathered_calls(20480, 512)
+    counted = tiles.kernel_rows("pallas_megablox", routed, 128, expected=True)
+    assert chosen["rows"] == counted == 20480 + 512 * 127  # each group: 1 + 39/128 tiles

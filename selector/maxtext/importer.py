@@ -150,6 +150,7 @@ READ_KEYS = (
     "override_logical_axis_rules",
     "compile_topology",
     "compile_topology_num_slices",
+    "wi_tile_fwd_batch_seq",
 )
 PLATFORMS = {"tpu": "v5p", "gpu": "h100", "gpu_multiprocess": "h100", "cpu": "cpu"}
 
@@ -252,6 +253,55 @@ def _origin(key: str, over: dict, each: list[dict], files: list[Path]) -> str:
                 else f"from {path.name}"
             )
     return "MaxText's default"
+
+
+# MaxText's grouped-matmul tile keys (base.yml: 512 rows, 1024 x 1024). Read in its
+# layers/moe.py (0.2.5): the megablox path (sparse_matmul and megablox true, tokamax off)
+# pads the routed rows to a multiple of wi_tile_fwd_batch_seq (max_utils.maybe_pad) and
+# hands `mblx.gmm` nine tiles as they are, the forward's (m, k, n) for wi (and wo's own
+# for wo), then the input gradient's (dlhs) and the weight gradient's (drhs); only its
+# ragged_dot path clamps them to the array (min(tile, m)). So the kernel's row tile is
+# wi_tile_fwd_batch_seq however few rows an expert gets.
+ROW_TILE_KEY = "wi_tile_fwd_batch_seq"
+OTHER_ROW_TILE_KEYS = (
+    "wo_tile_fwd_batch_seq",
+    "wi_tile_dlhs_batch_seq",
+    "wo_tile_dlhs_batch_seq",
+    "wi_tile_drhs_batch_seq",
+    "wo_tile_drhs_batch_seq",
+)
+KN_TILE_KEYS = ("wi_tile_fwd_embed_dim", "wi_tile_fwd_mlp_dim")
+
+
+def _row_tile(
+    raw: dict, over: dict, each: list[dict], files: list[Path], megablox: bool, hw, notes
+) -> dict:
+    """{"gmm_row_tile": MaxText's wi_tile_fwd_batch_seq} where MaxText runs its Pallas
+    megablox kernel (its megablox path on a TPU), with a note saying where the value
+    came from and what of MaxText's tiling our layers do not take; else {}."""
+    if not megablox or hw.platform != "tpu" or ROW_TILE_KEY not in raw:
+        return {}
+    if coerce("use_tokamax_gmm", raw.get("use_tokamax_gmm", False), bool):
+        notes.append(
+            "use_tokamax_gmm=true: MaxText runs tokamax's grouped matmul, whose tiles this "
+            "check does not read; the row tile is priced (selector.tiling)."
+        )
+        return {}
+    tm = coerce(ROW_TILE_KEY, raw[ROW_TILE_KEY], int)
+    others = {k: raw[k] for k in OTHER_ROW_TILE_KEYS if k in raw and raw[k] != tm}
+    kn = ", ".join(f"{k}={raw[k]}" for k in KN_TILE_KEYS if k in raw)
+    note = (
+        f"{ROW_TILE_KEY}={tm} ({_origin(ROW_TILE_KEY, over, each, files)}) is the Pallas "
+        f"kernels' row tile, as MaxText's megablox path passes it (not clamped to the rows): "
+        f"the rows are counted at it and the layers run it (gmm_row_tile={tm})."
+    )
+    if others:
+        spelled = ", ".join(f"{k}={v}" for k, v in others.items())
+        note += f" Our layers run one row tile for all three kernels; {spelled} not taken."
+    if kn:
+        note += f" Our layers' K and N tiles are 128 lanes ({kn} not taken)."
+    notes.append(note)
+    return {"gmm_row_tile": tm}
 
 
 def _dispatch_source(
@@ -427,6 +477,7 @@ def from_maxtext(
     base = each[0]  # MaxText's own defaults (the root of the chain)
     routed, _, routing_findings = routing(raw, str(model_name or ""), base, notes)
     values.update(routed)
+    values.update(_row_tile(raw, over, each, files, sparse and megablox, values["hardware"], notes))
     cfg = Config(**values)
     maxtext_exchange = "expert_exchange" not in raw and sparse
     if maxtext_exchange and _expert_axis(cfg) > 1:
@@ -509,6 +560,7 @@ __all__ = ["MaxTextError", "MaxTextImport", "fix", "from_maxtext", "parse_overri
 
 # Our setting -> MaxText's key, for fixes offered on the MaxText route.
 MAXTEXT_SPELLING = {ours: theirs for theirs, ours in DIRECT_KEYS.items()}
+MAXTEXT_SPELLING["gmm_row_tile"] = ROW_TILE_KEY
 # Our axis roles -> the logical name of MaxText's rule that gives them (RoutedMoE's
 # names; see axis_rules.py).
 MAXTEXT_RULE_NAMES = {

@@ -8,6 +8,8 @@ import math
 from .. import time_calibration
 from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend, Hardware
 from ..findings import Finding, error, fix, warning
+from ..plan_sizes import pallas_row_tile_ok, pallas_sublane_rows
+from ..problem import gmm_backend as gmm_backend_of
 
 POSITIVE = (
     "base_emb_dim",
@@ -267,6 +269,38 @@ def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
     return []
 
 
+def gmm_row_tile_supported(cfg: Config) -> list[Finding]:
+    """A row tile the Pallas kernels cannot take, or one no kernel of this config reads."""
+    tm = cfg.gmm_row_tile
+    if tm == 0:
+        return []
+    itemsize = COMPUTE_DTYPES.get(cfg.dtype, 4)
+    sublane = pallas_sublane_rows(itemsize)
+    if not pallas_row_tile_ok(tm, itemsize):
+        return [
+            error(
+                "GMM_ROW_TILE_UNSUPPORTED",
+                "gmm_row_tile",
+                f"gmm_row_tile={tm}: the Pallas megablox kernels take a positive multiple of "
+                f"{sublane} rows a tile in {cfg.dtype} (whole sublanes: 8 rows of a 32-bit "
+                "dtype, 16 of a 16-bit one); 0 lets the selector price the tiles.",
+                [fix(gmm_row_tile=0), fix(gmm_row_tile=sublane * -(-max(tm, 1) // sublane))],
+            )
+        ]
+    if gmm_backend_of(cfg) != GmmBackend.pallas_megablox.value:
+        return [
+            warning(
+                "GMM_ROW_TILE_UNUSED",
+                "gmm_row_tile",
+                f"gmm_row_tile={tm} sets the Pallas megablox kernels' row tile, but the grouped "
+                f"matmul here is {gmm_backend_of(cfg)}, which walks its own tiles: the setting "
+                "changes nothing.",
+                [fix(gmm_row_tile=0)],
+            )
+        ]
+    return []
+
+
 def time_calibration_usable(cfg: Config) -> list[Finding]:
     """A time calibration that cannot be read, or was measured on other hardware."""
     if not cfg.time_calibration:
@@ -297,5 +331,6 @@ SETTINGS_RULES = (
     hardware_values,
     mlp_needs_one_expert,
     gmm_backend_on_platform,
+    gmm_row_tile_supported,
     time_calibration_usable,
 )

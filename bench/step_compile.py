@@ -1,0 +1,167 @@
+"""The whole training step of the presets' decoders (`checks.step`: embeddings, attention,
+the chosen MoE block, the layers scanned and rematerialised, AdamW) compiled ahead of
+time for 64 chips at the real shape, beside the estimate's whole-step bytes
+(`Estimate.device_bytes` and its breakdown).
+
+    python -m bench.step_compile --target tpu --points qwen3_30b_a3b:1,mixtral_8x7b:4
+
+A point is MODEL:CP: 64 chips (v5p:4x4x4 for tpu, 64 H100s as 8 nodes of 8 for gpu),
+ici_fsdp_parallelism = 64 / CP, ici_context_parallelism = CP, max_target_length 8192 and
+per_device_batch_size 1 / CP, so each device holds one 8,192-token sequence's shard. Each
+point compiles in its own process with a timeout (minutes each on 2 cores); one that
+fails or times out is recorded with its status and left out of the plot. On TPU the
+MoE layers use the tiled grouped matmul: the Pallas megablox kernel does not trace
+inside the rematerialised layer scan with jax 0.10.2 (see the README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench.common import arguments, pyplot, save, table
+
+STUDY = "step_compile"
+GIB = 2**30
+CHIPS = 64
+SEQ = 8192
+DEFAULT_POINTS = (
+    "qwen3_30b_a3b:1,qwen3_30b_a3b:2,qwen3_30b_a3b:4,mixtral_8x7b:1,mixtral_8x7b:2,mixtral_8x7b:4"
+)
+HARDWARE = {"tpu": "v5p", "gpu": "h100"}
+COLUMNS = [
+    ("point", "point"),
+    ("status", "compile"),
+    ("candidate", "MoE layers"),
+    ("arguments_gib", "args GiB"),
+    ("temp_gib", "temp GiB"),
+    ("peak_gib", "peak GiB"),
+    ("estimate_gib", "estimate GiB"),
+    ("error", "est / XLA - 1"),
+    ("seconds", "compile s"),
+]
+
+
+def overrides(model: str, cp: int, target: str) -> list[str]:
+    out = [
+        f"model={model}",
+        "mesh=v5p_128",
+        f"hardware={HARDWARE[target]}",
+        f"num_devices={CHIPS}",
+        f"ici_fsdp_parallelism={CHIPS // cp}",
+        f"ici_context_parallelism={cp}",
+        f"max_target_length={SEQ}",
+        f"per_device_batch_size={1 / cp}",
+        "mode=train",
+    ]
+    if target == "gpu":
+        out += ["dcn_fsdp_parallelism=1"]
+    return out + (["gmm_backend=tiled_gmm"] if target == "tpu" else [])
+
+
+def worker(point: str, target: str) -> dict:
+    """Compile one point in this process; the row as a dict."""
+    from selector.targets import prepare_process
+
+    prepare_process("tpu" if target == "tpu" else "gpu", CHIPS)
+    import selector
+    from checks.step import compile_step
+
+    model, cp = point.split(":")
+    cfg = selector.compose(overrides(model, int(cp), target))
+    plan, findings = selector.api.analyse_any(selector.to_config(cfg))
+    if plan is None:
+        return {"point": point, "status": "refused", "findings": [f.code for f in findings]}
+    est = plan.chosen_estimate
+    _, n = compile_step(cfg, plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    return {
+        "point": point,
+        "status": "ok",
+        "candidate": est.name,
+        "target": n.target,
+        "compiled": n.as_dict(),
+        "arguments_gib": n.arguments / GIB,
+        "temp_gib": n.temp / GIB,
+        "peak_gib": n.peak / GIB,
+        "estimate_gib": est.device_bytes / GIB,
+        "estimate_breakdown": est.device_breakdown,
+        "error": est.device_bytes / n.peak - 1,
+        "seconds": n.seconds,
+    }
+
+
+def run_point(point: str, target: str, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "bench.step_compile", "--target", target, "--worker", point]
+    start = time.perf_counter()
+    try:
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ)
+    except subprocess.TimeoutExpired:
+        return {"point": point, "status": f"timeout after {timeout:.0f} s"}
+    rows = [line for line in got.stdout.splitlines() if line.startswith("{")]
+    if got.returncode != 0 or not rows:
+        tail = (got.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        return {
+            "point": point,
+            "status": f"failed: {tail[0][:300]}",
+            "seconds": time.perf_counter() - start,
+        }
+    return json.loads(rows[-1])
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    rows = [r for r in payload["rows"] if r.get("status") == "ok"]
+    labels = [r["point"] for r in rows]
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["peak_gib"] for r in rows], 0.4, label="compiled peak")
+    ax.bar([x + 0.2 for x in xs], [r["estimate_gib"] for r in rows], 0.4, label="estimate")
+    ax.axhline(payload["chip_gib"], color="grey", linestyle="--", label="chip memory")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel("GiB a device")
+    ax.set_title(f"Whole training step, {CHIPS} {payload['target']} chips, {SEQ} tokens a sequence")
+    ax.legend()
+    return fig
+
+
+def main() -> None:
+    args = arguments(
+        STUDY,
+        __doc__,
+        plot,
+        target={"choices": ("tpu", "gpu"), "default": "tpu"},
+        points={"default": DEFAULT_POINTS},
+        timeout={"type": float, "default": 1200.0, "help": "seconds per point"},
+        worker={"default": None, "help": argparse_hidden()},
+    )
+    if args is None:
+        return
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.target)))
+        return
+    import selector
+
+    chip = selector.to_config(selector.compose([f"hardware={HARDWARE[args.target]}"])).hardware
+    rows = []
+    for point in args.points.split(","):
+        print(f"compiling {point} for {args.target} ...", flush=True)
+        rows.append(run_point(point, args.target, args.timeout))
+        print(table(rows[-1:], COLUMNS), flush=True)
+        payload = {"target": args.target, "chip_gib": chip.memory_gib, "rows": rows}
+        paths = save(STUDY, payload, plot(payload))  # after every point: compiles are long
+    print(table(rows, COLUMNS))
+    print("wrote", *paths)
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
