@@ -260,7 +260,7 @@ def _analyse(
         return None, findings  # later stages divide by what these checks guard
 
     dev = per_device(cfg, mesh)
-    for rule in rules.LAYOUT_RULES:
+    for rule in (*rules.LAYOUT_RULES, *rules.MODEL_LAYOUT_RULES):
         findings += rule(cfg, mesh, dev)
 
     placements = _placements(cfg, mesh)

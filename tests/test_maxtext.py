@@ -100,6 +100,7 @@ def test_reported_case_reaches_the_inflation(base, capsys):
     assert main([f"maxtext_config={base}", *REPORTED]) == 1
     out = capsys.readouterr().out
     assert "LOCAL_BATCH_INFLATION" in out and "per_device_batch_size=0.25" in out
+    assert "RECURRENCE_LOAD_BALANCED" in out  # base.yml balances the shards: MaxText refuses
     assert "MESH_AXIS_INVALID" not in out and "is not a preset" not in out
 
 
@@ -447,6 +448,7 @@ def test_the_route_picks_what_maxtext_runs_and_shows_the_exchange_beside_it(base
         "ici_context_parallelism=4",
         "num_devices=64",
         "per_device_batch_size=0.25",
+        "context_parallel_load_balance=false",  # MaxText refuses it with cp for Qwen3-Next
     ]
     status, got = _route_json(args, capsys)
     chosen = [c for c in got["plan"]["candidates"] if c["chosen"]]
@@ -539,6 +541,7 @@ QWEN3_NEXT_CP4 = [
     "per_device_batch_size=0.25",
     "max_target_length=8192",
     "num_devices=64",
+    "context_parallel_load_balance=false",  # MaxText refuses it with cp for Qwen3-Next
 ]
 
 
@@ -563,3 +566,17 @@ def test_maxtext_row_tile_the_kernel_cannot_take_is_an_error(base):
     imported = selector.from_maxtext(base, QWEN3_NEXT_CP4 + ["wi_tile_fwd_batch_seq=20"])
     _, found = selector.api.analyse_any(imported.config)
     assert "GMM_ROW_TILE_UNSUPPORTED" in codes(found)
+
+
+def test_qwen3_next_with_load_balanced_cp_is_refused_as_maxtext_refuses_it(base, capsys):
+    """MaxText 0.2.5 refuses decoder_block=qwen3_next with context parallelism and
+    context_parallel_load_balance=true (its Gated DeltaNet recurrence needs the shards
+    in sequence order; its train_compile raised this for v5p-128, cp=4, measured from
+    outside): the route reports it with the fix MaxText names."""
+    args = [base, "model_name=qwen3-next-80b-a3b", "ici_context_parallelism=4"]
+    args += ["num_devices=64", "per_device_batch_size=0.25"]
+    status, got = _route_json(args, capsys)
+    (f,) = [f for f in got["findings"] if f["code"] == "RECURRENCE_LOAD_BALANCED"]
+    assert status == 1 and f["fixes"] == ["context_parallel_load_balance=false"]
+    status, _ = _route_json([*args, "context_parallel_load_balance=false"], capsys)
+    assert status == 0

@@ -7,6 +7,7 @@ import selector
 from selector import Severity
 
 CP4 = ("ici_context_parallelism=4", "max_target_length=8192")
+NEXT_CP4 = ("model=qwen3_next_80b_a3b", "mesh=v5p_128", *CP4, "per_device_batch_size=0.25")
 # Decode with experts exchanged over expert=2 beside the decode axis (2 devices).
 DECODE_EP = (
     "mode=decode",
@@ -17,6 +18,12 @@ DECODE_EP = (
 
 # (code, severity, overrides that trigger it, near overrides that do not)
 CASES = [
+    (
+        "RECURRENCE_LOAD_BALANCED",
+        "error",
+        (*NEXT_CP4, "context_parallel_load_balance=true"),
+        (*NEXT_CP4, "context_parallel_load_balance=false"),
+    ),
     (
         "GMM_ROW_TILE_UNUSED",
         "warning",

@@ -6,7 +6,7 @@ values), layout (mesh and per-device numbers), strategy (the choice).
 """
 
 from .layout import LAYOUT_RULES
-from .model import MODEL_RULES
+from .model import MODEL_LAYOUT_RULES, MODEL_RULES
 from .settings import SETTINGS_RULES
 from .strategy import (
     capacity_costly,
@@ -20,6 +20,7 @@ from .strategy import (
 
 __all__ = [
     "LAYOUT_RULES",
+    "MODEL_LAYOUT_RULES",
     "MODEL_RULES",
     "SETTINGS_RULES",
     "capacity_costly",

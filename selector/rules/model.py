@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..findings import Finding, error, fix
+from ..mesh import MeshView
 from ..step_memory import REMAT_SAVES
 
 ATTENTION_TYPES = ("global", "mla")  # of MaxText's attention_type values, those counted
@@ -63,4 +64,30 @@ def decoder_sizes(cfg: Config) -> list[Finding]:
     return found
 
 
+def recurrence_needs_ordered_shards(cfg: Config, mesh: MeshView, dev=None) -> list[Finding]:
+    """Qwen3-Next's Gated DeltaNet layers carry a recurrence along the sequence: device
+    i continues the state device i-1 leaves, so the load-balanced reordering of the
+    sequence shards composes the segments out of order. MaxText 0.2.5 refuses the
+    combination (read in its configs/types.py; the run would train with a wrong
+    recurrence rather than fail)."""
+    if cfg.decoder_block != "qwen3_next" or not cfg.context_parallel_load_balance:
+        return []
+    cp = mesh.size("context")  # MaxText checks ici x dcn context parallelism alone
+    if cp <= 1:
+        return []
+    return [
+        error(
+            "RECURRENCE_LOAD_BALANCED",
+            "context_parallel_load_balance",
+            f"decoder_block=qwen3_next with context parallelism {cp}: its Gated DeltaNet "
+            "layers carry a recurrence from one sequence shard to the next, which the "
+            "load-balanced order (each device the i-th and the mirrored chunk) breaks; "
+            "MaxText 0.2.5 refuses it.",
+            [fix(context_parallel_load_balance=False)],
+        )
+    ]
+
+
 MODEL_RULES = (known_remat_policy, known_attention, decoder_sizes)
+# Rules that read the mesh: they run beside the layout rules, after the mesh is known.
+MODEL_LAYOUT_RULES = (recurrence_needs_ordered_shards,)
