@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import arguments, pyplot, save, table
+from bench.common import RESULTS, arguments, pyplot, save, table
 
 STUDY = "step_compile"
 GIB = 2**30
@@ -137,8 +137,15 @@ def main() -> None:
         points={"default": DEFAULT_POINTS},
         timeout={"type": float, "default": 1200.0, "help": "seconds per point"},
         worker={"default": None, "help": argparse_hidden()},
+        re_estimate={
+            "action": "store_true",
+            "help": "keep the compiled numbers in the JSON and redo only the estimates",
+        },
     )
     if args is None:
+        return
+    if args.re_estimate:
+        re_estimate(args.target)
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.target)))
@@ -155,6 +162,34 @@ def main() -> None:
         paths = save(STUDY, payload, plot(payload))  # after every point: compiles are long
     print(table(rows, COLUMNS))
     print("wrote", *paths)
+
+
+def re_estimate(target: str) -> None:
+    """The stored compiled rows with the current selector's estimate beside them (the
+    compiles take minutes each; the estimate is a function of the same config)."""
+    import selector
+
+    payload = json.loads((RESULTS / f"{STUDY}.json").read_text())
+    for row in payload["rows"]:
+        if row.get("status") != "ok":
+            continue
+        model, cp = row["point"].split(":")
+        cfg = selector.to_config(selector.compose(overrides(model, int(cp), target)))
+        plan, _ = selector.api.analyse_any(cfg)
+        est = plan.candidate(*_key(row["candidate"])).estimate
+        row["estimate_gib"] = est.device_bytes / GIB
+        row["estimate_breakdown"] = est.device_breakdown
+        row["error"] = est.device_bytes / (row["peak_gib"] * GIB) - 1
+    print(table(payload["rows"], COLUMNS))
+    print("wrote", *save(STUDY, payload, plot(payload)))
+
+
+def _key(name: str):
+    """(Dispatch, Exchange) of a candidate's name (`megablox/gather`, `dense`)."""
+    import selector
+
+    strategy, _, exchange = name.partition("/")
+    return selector.Dispatch(strategy), selector.Exchange(exchange or "gather")
 
 
 def argparse_hidden():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .ffn import ExpertWeights, expert_swiglu
+from .ffn import ExpertWeights, einsum, expert_swiglu
 from .router import partial_stats, route
 from .spec import MoESpec
 
@@ -27,5 +27,5 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
     with jax.named_scope("expert_compute"):
         y_TEM = expert_swiglu(x_TM, w, dt, x_dims="t", h_dims="te")
     with jax.named_scope("combine"):
-        y_TM = jnp.einsum("tem,te->tm", y_TEM, combine_TE.astype(dt))
+        y_TM = einsum("tem,te->tm", y_TEM, combine_TE.astype(dt))
     return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)

@@ -277,6 +277,7 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
 
 STEP_ROWS = (
     "weights",
+    "weights_cast",
     "gradients",
     "optimizer",
     "kv_cache",

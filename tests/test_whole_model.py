@@ -126,7 +126,8 @@ def test_breakdown_adds_up_and_the_knobs_move_their_parts():
     ]
     plan, _ = analyse(selector.to_config(selector.compose(base)))
     parts = plan.chosen_estimate.device_breakdown
-    rest = parts["weights"] + parts["gradients"] + parts["optimizer"] + parts["kv_cache"]
+    rest = parts["weights"] + parts["weights_cast"] + parts["gradients"]
+    rest += parts["optimizer"] + parts["kv_cache"]
     layer = parts["attention_peak"] + max(parts["moe_block"], parts["dense_ffn_peak"])
     assert parts["total"] == pytest.approx(
         rest + parts["saved_activations"] + max(parts["logits"], layer)
@@ -220,3 +221,54 @@ def test_saving_less_is_offered_when_saved_activations_push_past_the_chip():
     _, findings = analyse(cfg)
     (f,) = [f for f in findings if f.code == "MEMORY_EXCEEDED"]
     assert "remat_policy=full" in [x.render() for x in f.fixes], f.message
+
+
+def test_deepseek_v3_counted_layer_by_layer():
+    """DeepSeek-V3 from its config.json by hand: 61 layers of multi-head latent
+    attention (7168 -> 1536 query bottleneck with its norm, 1536 -> 128 x (128 + 64);
+    7168 -> 512 + 64 key-value latent and rotary key, its 512 norm, 512 -> 128 x (128 +
+    128); 128 x 128 -> 7168 out), 3 dense SwiGLU layers of 18,432 and 58 MoE layers (256
+    experts of 2,048, router 7168 x 256 and its bias, one shared expert of 2,048)."""
+    params = model_params(selector.to_config(selector.compose(["model=deepseek_v3"])))
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256
+    mla += 128 * 128 * 7168
+    assert params.attention == 61 * mla
+    assert params.dense_ffn == 3 * 3 * 7168 * 18432
+    assert params.routed_experts == 58 * 256 * 3 * 7168 * 2048
+    assert params.moe_other == 58 * (7168 * 256 + 256 + 3 * 7168 * 2048)
+    assert (params.moe_layers, params.dense_layers) == (58, 3)
+
+
+def test_serving_holds_the_cache_and_no_training_state():
+    """Decode on DeepSeek-V3: no gradients, optimizer state or saved activations; the
+    cache holds MLA's 512-wide latent and 64-wide rotary key for every layer and every
+    cached token of the sequences a device serves, in the compute dtype."""
+    over = ["model=deepseek_v3", "mode=decode", "per_device_batch_size=4"]
+    over += ["max_target_length=4096", "param_dtype=bfloat16"]
+    plan, _ = analyse(selector.to_config(selector.compose(over)))
+    parts = plan.chosen_estimate.device_breakdown
+    assert parts["gradients"] == parts["optimizer"] == parts["saved_activations"] == 0
+    local_batch = plan.per_device.local_batch
+    assert parts["kv_cache"] == local_batch * 4096 * 61 * (512 + 64) * 2 / plan.cp
+    # Qwen3-Next caches only its 12 full-attention layers (2 key-value heads of 256).
+    over = ["model=qwen3_next_80b_a3b", "mode=decode", "per_device_batch_size=4"]
+    plan, _ = analyse(selector.to_config(selector.compose([*over, "max_target_length=4096"])))
+    parts = plan.chosen_estimate.device_breakdown
+    assert parts["kv_cache"] == plan.per_device.local_batch * 4096 * 12 * 2 * 2 * 256 * 2
+
+
+def test_layer_weights_stored_in_float32_are_held_again_in_the_compute_dtype():
+    """XLA converts the scanned layers' float32 weights to bfloat16 once, outside the
+    layer loop, and holds the copy (6.96 GiB for Qwen3-30B-A3B on 8 v5p chips in
+    MaxText's compiled step): every parameter but the embedding, head and final norm,
+    at 2 bytes, over the 8 devices. Stored in bfloat16 there is no copy."""
+    over = ["model=qwen3_30b_a3b", "num_devices=8", "per_device_batch_size=1"]
+    over += ["max_target_length=4096", "hardware=v5p"]
+    plan, _ = analyse(selector.to_config(selector.compose([*over, "param_dtype=float32"])))
+    cfg = selector.to_config(selector.compose(over))
+    params = model_params(cfg)
+    layers = params.total - params.embedding - params.head - params.final_norm
+    cast = plan.chosen_estimate.device_breakdown["weights_cast"]
+    assert cast == pytest.approx(layers * 2 / 8, rel=1e-9)
+    plan, _ = analyse(selector.to_config(selector.compose([*over, "param_dtype=bfloat16"])))
+    assert plan.chosen_estimate.device_breakdown["weights_cast"] == 0

@@ -185,6 +185,7 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
 
 STEP_PARTS = (
     "weights",
+    "weights_cast",
     "gradients",
     "optimizer",
     "kv_cache",
