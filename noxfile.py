@@ -1,0 +1,78 @@
+"""Task runner: the test suite on both supported stacks, and the docs.
+
+    nox -s tests-3.11      # the machine's Python 3.11, ".[test,tpu,gpu,docs]" as pinned by pip
+    nox -s tests-3.12      # Python 3.12, jax 0.12.0.1 + MaxText 0.2.5 (runs its RoutedMoE too)
+    nox -s docs            # mkdocs build --strict
+
+Arguments after `--` replace the pytest arguments, e.g.
+`nox -s tests-3.12 -- -x tests/test_maxtext_routedmoe.py tests/test_layers_parity.py`.
+
+nox looks for `python3.11` / `python3.12` on PATH. Under pyenv both shims resolve only
+when both versions are active: `PYENV_VERSION=3.11.7:3.12.1 nox -s tests-3.12` (or list
+them in `pyenv global`/`pyenv local`). `-r` reuses the virtualenv under .nox/ instead of
+reinstalling it.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests-3.11", "tests-3.12", "docs"]
+nox.options.default_venv_backend = "venv"
+
+# The README's test command (8 simulated CPU devices are set by tests/conftest.py).
+PYTEST = ("-q", "-n", "2")
+
+# The jax 0.12 stack: MaxText 0.2.5 wants Python >= 3.12 and pins no jax of its own that
+# conflicts with these; it is installed without its dependencies and with the packages
+# its `maxtext.layers.moe` import chain needs.
+JAX_012 = ("jax[tpu]==0.12.0.1", "jax[cuda12-local]==0.12.0.1", "flax==0.12.12")
+MAXTEXT = "maxtext==0.2.5"
+MAXTEXT_IMPORTS = (
+    "qwix",
+    "aqtp",
+    "pydantic",
+    "absl-py",
+    "jinja2",
+    "pathwaysutils",
+    "huggingface_hub",
+    "transformers",
+    "grain",
+    "drjax",
+    "pillow",
+    "tiktoken",
+    "sentencepiece",
+    "sympy",
+    "omegaconf",
+    "tokamax",
+)
+# The project's own runtime and test dependencies (pyproject's dependencies and test
+# extra), installed by hand because the project goes in with --no-deps.
+PROJECT_DEPS = ("hydra-core>=1.3.2", "omegaconf>=2.3.0")
+TEST_DEPS = ("pytest>=7.4", "pytest-xdist>=3.5", "hypothesis>=6.100", "optax>=0.2.4", "tqdm>=4.66")
+
+
+@nox.session(name="tests-3.11", python="3.11")
+def tests_311(session: nox.Session) -> None:
+    """The README's install and test command on Python 3.11."""
+    session.install(".[test,tpu,gpu,docs]")
+    session.run("python", "-m", "pytest", *(session.posargs or PYTEST))
+
+
+@nox.session(name="tests-3.12", python="3.12")
+def tests_312(session: nox.Session) -> None:
+    """The suite on jax 0.12.0.1 / flax 0.12.12 with MaxText 0.2.5 importable."""
+    session.install(*JAX_012)
+    session.install(MAXTEXT, "--no-deps")
+    session.install(*MAXTEXT_IMPORTS)
+    session.install("--no-deps", ".")
+    session.install(*PROJECT_DEPS, *TEST_DEPS)
+    session.run("python", "-c", "import maxtext.layers.moe, jax; print('jax', jax.__version__)")
+    session.run("python", "-m", "pytest", *(session.posargs or PYTEST))
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """The docs site, with every warning an error."""
+    session.install(".[docs]")
+    session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp() + "/site")
