@@ -11,6 +11,7 @@ from .config import Config
 from .findings import Finding, errors_in
 from .per_device import is_whole
 from .plan import DispatchPlan
+from .step_memory import STEP_PARTS
 
 
 def _n(x: float) -> str:
@@ -249,13 +250,21 @@ def render_json(
     return json.dumps(payload, sort_keys=True)
 
 
+def _count(n: float) -> str:
+    """A parameter count as people say it: 79.67B, 452K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n:g}"
+
+
 def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
     """The whole model's size and what a device holds for the chosen candidate's step."""
     params = model_params(cfg)
     lines = [
         "",
         _wrap(
-            f"Model: {params.total / 1e9:.4g}B parameters, {params.active / 1e9:.4g}B active "
+            f"Model: {_count(params.total)} parameters, {_count(params.active)} active "
             f"a token ({params.moe_layers} MoE and {params.dense_layers} dense layers, "
             f"vocabulary {cfg.vocab_size:,}; remat_policy {cfg.remat_policy}, "
             f"num_vocab_tiling {cfg.num_vocab_tiling})",
@@ -265,7 +274,7 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
     parts = plan.chosen_estimate.device_breakdown
     if parts is None:
         return lines
-    shown = [(name, parts[name]) for name in STEP_ROWS if parts.get(name, 0) > 0]
+    shown = [(name, parts[name]) for name in STEP_PARTS if parts.get(name, 0) > 0]
     lines.append(f"Whole step on a device ({plan.chosen_estimate.name}), GiB:")
     lines += [f"  {name.replace('_', ' '):<22} {value / 2**30:>9.3g}" for name, value in shown]
     lines += [
@@ -275,15 +284,3 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
     return lines
 
 
-STEP_ROWS = (
-    "weights",
-    "weights_cast",
-    "gradients",
-    "optimizer",
-    "kv_cache",
-    "saved_activations",
-    "logits",
-    "attention_peak",
-    "moe_block",
-    "dense_ffn_peak",
-)

@@ -69,6 +69,19 @@ REMAT_BY_MEMORY = (
     "minimal_with_context",
 )
 LOGIT_BYTES = 4  # MaxText computes the logits and the loss in float32
+# The parts of `StepMemory.breakdown`, in the order reports show them.
+STEP_PARTS = (
+    "weights",
+    "weights_cast",
+    "gradients",
+    "optimizer",
+    "kv_cache",
+    "saved_activations",
+    "logits",
+    "attention_peak",
+    "moe_block",
+    "dense_ffn_peak",
+)
 
 
 @dataclass(frozen=True)

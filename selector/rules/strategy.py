@@ -10,6 +10,7 @@ from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView, fill_tier
 from ..per_device import PerDevice, capacity
 from ..placement import exchange_group
+from ..step_memory import STEP_PARTS
 from .layout import fmt, shown_axes
 from .moves import move
 
@@ -183,17 +184,6 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
     ]
 
 
-STEP_PARTS = (
-    "weights",
-    "weights_cast",
-    "gradients",
-    "optimizer",
-    "kv_cache",
-    "saved_activations",
-    "logits",
-    "attention_peak",
-    "moe_block",
-)
 
 
 def _lighter_step(cfg: Config, parts: dict) -> list:
