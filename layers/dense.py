@@ -25,7 +25,7 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         )
     dt = spec.compute_dtype
     with jax.named_scope("expert_compute"):
-        y_TEM = expert_swiglu(x_TM, w, dt, x_dims="t", h_dims="te")
+        y_TEM = expert_swiglu(x_TM, w, dt, x_dims="t", h_dims="te", platform=spec.platform)
     with jax.named_scope("combine"):
-        y_TM = einsum("tem,te->tm", y_TEM, combine_TE.astype(dt))
+        y_TM = einsum("tem,te->tm", y_TEM, combine_TE.astype(dt), platform=spec.platform)
     return y_TM.reshape(batch, seq, emb).astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, 0)

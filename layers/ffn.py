@@ -33,41 +33,38 @@ WEIGHT_FIELDS = [f.name for f in dataclasses.fields(ExpertWeights)]
 jax.tree_util.register_dataclass(ExpertWeights, data_fields=WEIGHT_FIELDS, meta_fields=[])
 
 
-def einsum(subscripts: str, *operands):
+def einsum(subscripts: str, *operands, platform: str):
     """`jnp.einsum` whose sums accumulate in float32 on every backend (result in the
     operands' dtype). XLA:TPU and XLA:GPU accumulate a bfloat16 dot in float32 by
     themselves, and so did XLA:CPU up to jax 0.10. XLA:CPU in jax 0.12.0.1 keeps a
     *batched* bfloat16 dot (an einsum with a label on both operands and the output, e.g.
     "teh,ehm->tem") in bfloat16 throughout: a 128-long sum came back 2.3% off, 6,600 ulps
     from the rounded exact result, and it rejects bf16 x bf16 -> f32 for that dot
-    ("Unsupported element type for DotThunk::Execute"). On CPU only, the operands go to
-    float32 for the dot; other targets lower the plain einsum as before."""
+    ("Unsupported element type for DotThunk::Execute"). So when the mesh's devices are
+    CPUs (`platform`, the spec's, decided from the mesh as the grouped matmul's kernel
+    is) the operands go to float32 for the dot; other targets get the plain einsum.
+    `lax.platform_dependent` would decide the same at lowering, but it changed XLA:TPU's
+    compiled program for targets that are not CPUs (its cost analysis moved by 0.3%)."""
     dtype = jnp.result_type(*operands)
-    if dtype == jnp.float32 or not jnp.issubdtype(dtype, jnp.floating):
+    if platform != "cpu" or dtype == jnp.float32 or not jnp.issubdtype(dtype, jnp.floating):
         return jnp.einsum(subscripts, *operands)
-
-    def upcast(*ops):
-        return jnp.einsum(subscripts, *(o.astype(jnp.float32) for o in ops)).astype(dtype)
-
-    return jax.lax.platform_dependent(
-        *operands, cpu=upcast, default=lambda *ops: jnp.einsum(subscripts, *ops)
-    )
+    return jnp.einsum(subscripts, *(o.astype(jnp.float32) for o in operands)).astype(dtype)
 
 
 def swiglu(gate_h, up_h):
     return jax.nn.silu(gate_h) * up_h
 
 
-def expert_swiglu(x, w: ExpertWeights, dtype, x_dims: str, h_dims: str):
+def expert_swiglu(x, w: ExpertWeights, dtype, x_dims: str, h_dims: str, platform: str):
     """Every expert's SwiGLU over `x` with einsum labels: x is `{x_dims}m`, the hidden and
     output are `{h_dims}h` / `{h_dims}m` (h_dims names the expert dim e)."""
     wi_0, wi_1, wo = (a.astype(dtype) for a in (w.wi_0_EMH, w.wi_1_EMH, w.wo_EHM))
     xd = x.astype(dtype)
     h = swiglu(
-        einsum(f"{x_dims}m,emh->{h_dims}h", xd, wi_0),
-        einsum(f"{x_dims}m,emh->{h_dims}h", xd, wi_1),
+        einsum(f"{x_dims}m,emh->{h_dims}h", xd, wi_0, platform=platform),
+        einsum(f"{x_dims}m,emh->{h_dims}h", xd, wi_1, platform=platform),
     )
-    return einsum(f"{h_dims}h,ehm->{h_dims}m", h, wo)
+    return einsum(f"{h_dims}h,ehm->{h_dims}m", h, wo, platform=platform)
 
 
 def dense_ffn(x_TM, wi_0_MH, wi_1_MH, wo_HM):

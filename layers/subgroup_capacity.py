@@ -62,10 +62,10 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         # NaN output below (the same per-token behaviour as the other strategies).
         bad_BS1 = ~jnp.all(jnp.isfinite(x_BSM), axis=-1, keepdims=True)
         x_clean = jnp.where(bad_BS1, 0, x_BSM).astype(dt)
-        x_BECM = einsum("bsm,bsec->becm", x_clean, dispatch_BSEC.astype(dt))
+        x_BECM = einsum("bsm,bsec->becm", x_clean, dispatch_BSEC.astype(dt), platform=spec.platform)
     with jax.named_scope("expert_compute"):
-        y_BECM = expert_swiglu(x_BECM, w, dt, x_dims="bec", h_dims="bec")
+        y_BECM = expert_swiglu(x_BECM, w, dt, x_dims="bec", h_dims="bec", platform=spec.platform)
     with jax.named_scope("combine"):
-        y_BSM = einsum("becm,bsec->bsm", y_BECM, combine_BSEC.astype(dt))
+        y_BSM = einsum("becm,bsec->bsm", y_BECM, combine_BSEC.astype(dt), platform=spec.platform)
         y_BSM = jnp.where(bad_BS1, jnp.nan, y_BSM)
     return y_BSM.astype(x_BSM.dtype), partial_stats(probs_TE, ids_TK, dropped)
