@@ -168,6 +168,15 @@ def kv_per_token(cfg: Config) -> float:
     return per_layer * layers
 
 
+def layer_working_set(weights: float, activations: float, xb: int, train: bool) -> float:
+    """One layer's bytes at its peak: its `weights` (elements a device gathers) in the
+    compute dtype, and its `activations` (bytes); training adds the weights' float32
+    gradient before the reduce-scatter and a cotangent of each activation."""
+    if not train:
+        return weights * xb + activations
+    return weights * (xb + 4) + 2 * activations
+
+
 def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
     """One layer's attention working set: its weights gathered in the compute dtype
     (and their float32 gradient before the reduce-scatter, training); queries and
@@ -181,10 +190,7 @@ def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     named = named_activations(cfg, full)
     q = named.get("query_proj", 0) + named.get("context", 0) + cfg.base_emb_dim
     kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * mesh.cp
-    acts = tokens * (q + kv) / hidden * xb
-    if not train:
-        return weights * xb + acts
-    return weights * (xb + 4) + 2 * acts
+    return layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
 
 
 def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
@@ -195,9 +201,7 @@ def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     hidden = mesh.product(mesh.hidden_axes)
     weights = 3 * cfg.base_emb_dim * cfg.base_mlp_dim / hidden
     acts = tokens * (3 * cfg.base_mlp_dim / hidden + cfg.base_emb_dim) * xb
-    if not train:
-        return weights * xb + acts
-    return weights * (xb + 4) + 2 * acts
+    return layer_working_set(weights, acts, xb, train)
 
 
 def step_memory(

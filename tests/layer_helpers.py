@@ -106,7 +106,9 @@ def host_weights(model: layers.MoEBlock):
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), model.weights())
 
 
-def reference_grads(model, x, cot, cp):
+def reference_grads_and_keep(model, x, cot, cp):
+    """(y, d/dweights, d/dx, keep) of the plain MoE at this input: capacity counted per
+    subgroup of the input's own sequence (the reference's formula, not the plan's)."""
     spec, w = model.spec, host_weights(model)
     ids = reference_choices(w, x, spec)
     keep = reference_keep(w, x, spec, cp, ids)
@@ -116,7 +118,11 @@ def reference_grads(model, x, cot, cp):
         return jnp.sum(y * cot), y
 
     (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
-    return y, gw, gx
+    return y, gw, gx, keep
+
+
+def reference_grads(model, x, cot, cp):
+    return reference_grads_and_keep(model, x, cot, cp)[:3]
 
 
 # MaxText's routing variants as selector overrides (shared by the routing and port tests).

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from layer_helpers import assert_close, build, host_weights, inputs
-from reference import reference_capacity, reference_choices, reference_keep, reference_moe
+from layer_helpers import assert_close, build, host_weights, inputs, reference_grads_and_keep
+from reference import reference_capacity, reference_keep, reference_moe
 
 import selector
 
@@ -59,28 +59,13 @@ def _on_mesh(model, x):
     return jax.device_put(x, model.layout.named(model.layout.x_BSM))
 
 
-def _reference(model, x, cot, cp):
-    """(y, d/dweights, d/dx, keep) of the plain MoE, capacity counted per subgroup of
-    this input's sequence (its own formula, not the plan's)."""
-    spec, w = model.spec, host_weights(model)
-    ids = reference_choices(w, x, spec)
-    keep = reference_keep(w, x, spec, cp, ids)
-
-    def loss(w, x):
-        y, _ = reference_moe(w, x, spec, keep, ids)
-        return jnp.sum(y * cot), y
-
-    (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
-    return y, gw, gx, keep
-
-
 @pytest.mark.parametrize("name", list(TRAINING))
 def test_training_at_another_shape_matches_reference(blocks, name):
     model = blocks[name]
     batch, seq = TRAINING[name][3]
     x, cot = inputs(batch, seq)
     y, stats, grads, gx = _fwd_bwd(model, _on_mesh(model, x), cot)
-    ry, rgw, rgx, keep = _reference(model, x, cot, CP)
+    ry, rgw, rgx, keep = reference_grads_and_keep(model, x, cot, CP)
     assert y.shape == (batch, seq, 64)
     assert float(stats["dropped_tokens"]) == float(np.sum(~keep))
     assert float(np.sum(stats["tokens_per_expert"])) == batch * seq * model.spec.top_k

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_helpers import assert_close, build, inputs, loss_and_grads
+from layer_helpers import ROUTINGS, assert_close, build, inputs, loss_and_grads
 
 from layers.maxtext_params import load_maxtext, paths
 
@@ -28,29 +28,11 @@ SOFTMAX = (
     ("num_experts=8", "num_experts_per_tok=2"),  # MaxText defaults: softmax of the top-k
     ("num_experts=8", "num_experts_per_tok=2", "norm_topk_prob=true"),
 )
-DEEPSEEK_V3 = (
-    (
-        "decoder_block=deepseek",
-        "num_experts=16",
-        "num_experts_per_tok=4",
-        "routed_score_func=sigmoid",
-        "routed_bias=true",
-        "routed_scaling_factor=2.5",
-        "n_routing_groups=4",
-        "topk_routing_group=2",
-        "norm_topk_prob=true",
-    ),
-    (
-        "num_experts=16",
-        "num_experts_per_tok=4",
-        "routed_score_func=sigmoid",
-        "routed_bias=true",
-        "routed_scaling_factor=2.5",
-        "n_routing_groups=4",
-        "topk_routing_group=2",
-        "norm_topk_prob=true",
-    ),
-)
+# DeepSeek-V3 routing as the routing tests spell it, without the shared expert (the
+# comparison is of the routed block): MaxText's side (theirs, with its decoder block),
+# then ours.
+_DEEPSEEK_ROUTING = tuple(o for o in ROUTINGS["deepseek_v3"] if not o.startswith("shared_"))
+DEEPSEEK_V3 = (("decoder_block=deepseek", *_DEEPSEEK_ROUTING), _DEEPSEEK_ROUTING)
 
 
 def maxtext_block(*overrides: str):
