@@ -81,8 +81,10 @@ def recurrence_needs_ordered_shards(cfg: Config, mesh: MeshView, dev=None) -> li
             "context_parallel_load_balance",
             f"decoder_block=qwen3_next with context parallelism {cp}: its Gated DeltaNet "
             "layers carry a recurrence from one sequence shard to the next, which the "
-            "load-balanced order (each device the i-th and the mirrored chunk) breaks; "
-            "MaxText 0.2.5 refuses it.",
+            "load-balanced order (each device the i-th and the mirrored chunk) breaks. "
+            "MaxText 0.2.5 refuses it (raised in its configs/types.py, read; its "
+            "train_compile stopped on it for v5p-128 at cp=4, run ahead of time on a CPU "
+            "machine).",
             [fix(context_parallel_load_balance=False)],
         )
     ]
