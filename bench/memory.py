@@ -65,9 +65,9 @@ def flatten_row(cp: int) -> dict:
     flattened and sorted globally under plain jit."""
     p = point("megablox", "gather", cp)
     cfg = selector.compose(p.overrides())
-    block = nnx.eval_shape(
-        lambda: layers.MoEBlock(cfg, mesh=layers.make_mesh(p.mesh), rngs=nnx.Rngs(0))
-    )
+    mesh = layers.make_mesh(p.mesh)
+    plan = selector.resolve(cfg, mesh)
+    block = nnx.eval_shape(lambda: layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0)))
     m = compile_fwd_bwd(block, 1, p.seq, forward=flatten_block_forward(block)).memory_analysis()
     return {
         "variant": "flatten (baseline)",
@@ -108,9 +108,9 @@ def timing(cp: int, runs: int) -> dict:
     fns = {}
     for exchange in ("gather", "all_to_all"):
         p = point("megablox", exchange, cp)
-        block = layers.MoEBlock(
-            selector.compose(p.overrides()), mesh=layers.make_mesh(p.mesh), rngs=nnx.Rngs(0)
-        )
+        mesh = layers.make_mesh(p.mesh)
+        plan = selector.resolve(selector.compose(p.overrides()), mesh)
+        block = layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0))
         x = jax.random.normal(jax.random.key(1), (1, p.seq, p.emb))
         x = jax.device_put(x, block.layout.named(block.layout.x_BSM))
         fn = jax.jit(jax.grad(fwd_bwd_loss(block_forward(block)), argnums=(0, 1)))

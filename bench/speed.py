@@ -65,7 +65,8 @@ def block_step(strategy: str, experts: int, seq: int):
             capacity_factor=CAPACITY_FACTOR,
         )
     )
-    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"data": 1}), rngs=nnx.Rngs(0))
+    mesh = layers.make_mesh({"data": 1})
+    model = layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
     fn = jax.jit(jax.grad(fwd_bwd_loss(block_forward(model)), argnums=(0, 1)))
     x = jax.random.normal(jax.random.key(1), (TOKENS // seq, seq, EMB))
     args = (model.weights(), x)

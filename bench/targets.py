@@ -259,7 +259,9 @@ def real_rows() -> list[dict]:
                 ]
             )
             block = nnx.eval_shape(
-                lambda cfg=cfg: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+                lambda cfg=cfg: layers.MoEBlock(
+                    selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0)
+                )
             )
             start = time.perf_counter()
             program = compile_fwd_bwd(block, 16, 8192)

@@ -19,9 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from selector.api import resolve
-from selector.compose import to_config
-from selector.config import Dispatch
+from selector.config import Config, Dispatch
 from selector.findings import ConfigError, Finding, Fix, Severity
 from selector.plan import DispatchPlan
 
@@ -155,24 +153,30 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     return fn(x_BSM, w)
 
 
-class HeldConfig:
-    """The config a block was built from, kept to derive its plan at other input shapes.
+class HeldPlan:
+    """The plan a block was built from, kept to re-plan it at other input shapes.
 
     NNX keeps a module's plain attributes in its graph definition, which `nnx.jit`
-    hashes; Config is a mutable dataclass holding lists (unhashable, and the caller may
-    change it after the build), so the block holds a private copy compared by value."""
+    hashes; the plan's Config is a mutable dataclass holding lists (unhashable, and the
+    caller may change it after the build), so the block holds a private copy, compared by
+    value with the live mesh's shape and the built strategy and exchange."""
 
-    __slots__ = ("config", "_key")
+    __slots__ = ("plan", "_key")
 
-    def __init__(self, config):
-        self.config = copy.deepcopy(config)
-        self._key = repr(self.config)
+    def __init__(self, plan: DispatchPlan):
+        self.plan = dataclasses.replace(plan, config=copy.deepcopy(plan.config))
+        held = (plan.config, plan.live_shape, plan.strategy, plan.placement.exchange)
+        self._key = repr(held)
+
+    @property
+    def config(self) -> Config:
+        return self.plan.config
 
     def __hash__(self) -> int:
         return hash(self._key)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, HeldConfig) and other._key == self._key
+        return isinstance(other, HeldPlan) and other._key == self._key
 
 
 class InputShapeError(ConfigError):
@@ -185,56 +189,29 @@ class InputShapeError(ConfigError):
         self.args = (f"MoEBlock input {shape}: {reading}\n{self.args[0]}",)
 
 
-def resolve_at_shape(config, mesh: Mesh) -> DispatchPlan:
-    """The selector's plan for `config` on `mesh`: the one call the block makes into the
-    selector's entry points after it is built (raises ConfigError on error findings)."""
-    return resolve(config, mesh)
-
-
 @functools.lru_cache(maxsize=64)
-def plan_at_shape(
-    held: HeldConfig, strategy: Dispatch, exchange, mesh: Mesh, batch: int, seq: int
-) -> DispatchPlan:
-    """The selector's plan for a global (batch, seq) input to a block built from `held`
-    with `strategy` and `exchange`: its per-device numbers (tokens a device, capacity
-    per subgroup, ...) and findings at that shape. Raises InputShapeError when the
-    selector refuses the shape.
-
-    The strategy is pinned (dispatch= and expert_exchange= set to the built ones): the
-    parameters rest where the built placement put them, and a layer that switched
-    strategy with the batch would compute differently (capacity drops or none) on the
-    same weights; auto might choose otherwise at this shape, but the choice was made
-    once, at the build. The local-batch rule is waived: it guards how a launch sizes
-    per_device_batch_size against the mesh, while a layer takes the input it is given
-    (an evaluation batch larger than the training one)."""
+def plan_at_shape(held: HeldPlan, batch: int, seq: int) -> DispatchPlan:
+    """The built plan re-planned for a global (batch, seq) input (`DispatchPlan.at_shape`:
+    same strategy and exchange, the per-device numbers and findings at that shape).
+    Raises InputShapeError when no plan serves the shape."""
+    built = held.plan
     config = held.config
-    devices = mesh.devices.size
-    # At decode the step is one new token whatever the context length, and the
-    # context length (max_target_length) still sizes what decode holds.
-    decode = config.mode.value == "decode"
-    shaped = config.replace(
-        per_device_batch_size=batch / devices,
-        max_target_length=config.max_target_length if decode else seq,
-        dispatch=strategy,
-        expert_exchange=exchange,
-        allow_local_batch_inflation=True,
-    )
+    devices = built.mesh.num_devices
+    found, findings = built.at_shape(batch, seq)
+    shaped_len = config.max_target_length if config.mode.value == "decode" else seq
     reading = (
         f"{batch} sequences over {devices} devices (per_device_batch_size="
-        f"{batch / devices:g}) of {seq} tokens (max_target_length={shaped.max_target_length}, "
+        f"{batch / devices:g}) of {seq} tokens (max_target_length={shaped_len}, "
         f"mode={config.mode.value}), which the selector refuses for the block's "
-        f"{strategy.value} dispatch on this mesh. Give an input the findings allow: "
+        f"{built.strategy.value} dispatch on this mesh. Give an input the findings allow: "
         f"a batch of per_device_batch_size x {devices} sequences of max_target_length tokens."
     )
-    try:
-        found = resolve_at_shape(shaped, mesh)
-    except ConfigError as exc:
-        raise InputShapeError((batch, seq, config.base_emb_dim), exc.findings, reading) from None
+    shape = (batch, seq, config.base_emb_dim)
+    if found is None or found.errors:
+        raise InputShapeError(shape, findings, reading)
     if found.per_device.seq_len != seq:  # decode: one new token a sequence, whatever is given
         raise InputShapeError(
-            (batch, seq, config.base_emb_dim),
-            [_mode_finding(config.mode.value, found.per_device.seq_len, seq)],
-            reading,
+            shape, [_mode_finding(config.mode.value, found.per_device.seq_len, seq)], reading
         )
     return found
 
@@ -261,6 +238,60 @@ def _emb_finding(shape: tuple[int, ...], emb: int) -> Finding:
         f"inputs of emb {emb}, or build a block for the input's.",
     )
     return found.with_fixes((Fix((("base_emb_dim", shape[-1]),), "a new block, new parameters"),))
+
+
+# What a block's config and its plan must agree on: the settings that shape the
+# parameters and the compute, read from a Config, a DictConfig or a mapping.
+AGREED_SETTINGS = (
+    "base_emb_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "base_moe_mlp_dim",
+    "dtype",
+    "param_dtype",
+    "mode",
+)
+
+
+def _the_plan(cfg: Any, plan: DispatchPlan | None) -> DispatchPlan:
+    """The plan a block builds from: `plan`, or `cfg` when it is one. A config given
+    beside a plan must agree with the one the plan was resolved from."""
+    if isinstance(cfg, DispatchPlan):
+        if plan is not None and plan is not cfg:
+            raise ValueError("MoEBlock was given two plans (cfg and plan=); give one.")
+        plan = cfg
+    if plan is None:
+        raise TypeError(
+            "MoEBlock builds what the selector's plan says and takes it as its config: "
+            "layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=rngs), or "
+            "layers.MoEBlock(cfg, mesh=mesh, plan=selector.resolve(cfg, mesh), rngs=rngs)."
+        )
+    if plan.config is None:
+        raise ValueError(
+            "MoEBlock's plan carries no config (it was not built by selector.resolve); "
+            "build it with selector.resolve(cfg, mesh)."
+        )
+    if cfg is not plan:
+        for name in AGREED_SETTINGS:
+            given = _setting(cfg, name)
+            held = getattr(plan.config, name)
+            held = getattr(held, "value", held)
+            if given is not None and str(getattr(given, "value", given)) != str(held):
+                raise ValueError(
+                    f"MoEBlock's config has {name}={given} but its plan was resolved for "
+                    f"{name}={held}. Resolve the plan from this config "
+                    f"(plan=selector.resolve(cfg, mesh)) or pass the plan alone."
+                )
+    return plan
+
+
+def _setting(cfg: Any, name: str):
+    if isinstance(cfg, Config):
+        return getattr(cfg, name)
+    try:
+        return cfg.get(name)
+    except AttributeError:
+        return None
 
 
 class RoutedBias(nnx.Variable):
@@ -294,10 +325,13 @@ class SharedExperts(nnx.Module):
 class MoEBlock(nnx.Module):
     """A routed SwiGLU MoE block that keeps the sequence sharded.
 
-    cfg: what `selector.compose` returns, or a `selector.Config`. mesh: a
-    `jax.sharding.Mesh` with auto axis types whose axes use the selector's names (a
-    missing axis counts as size 1). plan: the selector's plan; built with
-    `selector.resolve(cfg, mesh)` when omitted (raises ConfigError on bad settings).
+    The block builds what the selector's plan says, from the config the plan was
+    resolved from (`plan.config`): give it `selector.resolve(cfg, mesh)` in cfg's place,
+    or cfg (what `selector.compose` returns, a `selector.Config` or a mapping) with the
+    plan as `plan=`; a cfg that disagrees with the plan on the model's shape or dtypes
+    is refused. The layers never call the selector: a plan re-plans itself for other
+    input shapes (`DispatchPlan.at_shape`). mesh: a `jax.sharding.Mesh` with auto axis
+    types whose axes use the selector's names (a missing axis counts as size 1).
 
     Parameters are created in `param_dtype`, already sharded as they rest (see
     `layers.params`); `dtype` is the compute dtype. Parameter names follow MaxText:
@@ -311,14 +345,14 @@ class MoEBlock(nnx.Module):
     The block takes any (batch, sequence) the mesh divides, not only the shape its plan
     was resolved for: the strategy and the parameters stay as built, and the per-device
     numbers (tokens a device, capacity per subgroup) are the selector's for the input's
-    shape, resolved once per shape (`at_shape`). An input the selector refuses (a batch
+    shape, re-planned once per shape (`at_shape`). An input the selector refuses (a batch
     the batch axes do not divide, a sequence cp does not divide, a decode step of more
     than one token, another emb) raises ConfigError with the finding and its fix.
 
     Args:
-      cfg: the config (see above).
+      cfg: the plan, or the config beside `plan=` (see above).
       mesh: the live mesh (keyword).
-      plan: the selector's plan (keyword; default `selector.resolve(cfg, mesh)`).
+      plan: the selector's plan (keyword), when cfg is the config.
       rngs: `nnx.Rngs` for the parameters (keyword).
 
     Returns (calling it):
@@ -342,15 +376,14 @@ class MoEBlock(nnx.Module):
       16.0
     """
 
-    def __init__(
-        self, cfg: Any, *, mesh: Mesh, plan: DispatchPlan | None = None, rngs: nnx.Rngs
-    ):
-        config = to_config(cfg)
+    def __init__(self, cfg: Any, *, mesh: Mesh, plan: DispatchPlan | None = None, rngs: nnx.Rngs):
+        plan = _the_plan(cfg, plan)
+        config = plan.config
         check_mesh(mesh, plan)
-        self.plan = plan if plan is not None else resolve(config, mesh)
+        self.plan = plan
         self.layout = Layout.from_plan(self.plan, mesh)
         self.spec = MoESpec.from_config(config, self.plan, self.layout)
-        self.settings = HeldConfig(config)  # for the plan at other input shapes
+        self.settings = HeldPlan(plan)  # to re-plan it at other input shapes
         self.param_dtype = jnp.dtype(config.param_dtype)
         names, shapes, shardings = self.param_layout()
         keys = [rngs.params() for _ in names]
@@ -432,10 +465,8 @@ class MoEBlock(nnx.Module):
         dev = self.plan.per_device
         if (batch, seq) == (round(dev.global_batch), dev.seq_len):
             return self.plan, self.layout, self.spec
-        strategy, mesh = self.plan.strategy, self.layout.mesh
-        found = plan_at_shape(
-            self.settings, strategy, self.plan.placement.exchange, mesh, batch, seq
-        )
+        mesh = self.layout.mesh
+        found = plan_at_shape(self.settings, batch, seq)
         plan = dataclasses.replace(
             self.plan,
             per_device=found.per_device,

@@ -53,6 +53,13 @@ class DispatchPlan:
     exchange_backend: str  # the collective moving routed rows when they are exchanged
     target: str = ""  # the chips the plan is for, as selector.targets compiles for them
     training: bool = True  # fwd+bwd (mode=train); prefill and decode run forward only
+    # What the plan was resolved from: the typed config and the live mesh's axis sizes
+    # (None: the config's mesh knobs). The layers build from `config` and re-plan other
+    # input shapes with `at_shape`, so they never call the selector's entry points.
+    config: Config | None = dataclasses.field(default=None, compare=False, repr=False)
+    live_shape: Mapping[str, int] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def expert_weights(self) -> str:
@@ -92,6 +99,30 @@ class DispatchPlan:
     def candidate(self, strategy: Dispatch, exchange: Exchange = Exchange.gather) -> Candidate:
         """The candidate for one (dispatch, exchange) pair."""
         return next(c for c in self.candidates if (c.strategy, c.exchange) == (strategy, exchange))
+
+    def at_shape(self, batch: int, seq: int) -> tuple[DispatchPlan | None, list[Finding]]:
+        """(plan or None, findings) for a global (batch, seq) input to the block this plan
+        built: the same strategy and exchange (the parameters rest where this placement
+        put them, and a block that switched dispatch with the batch would compute
+        differently on the same weights), with the per-device numbers and findings at
+        that shape. The local-batch rule is waived: it guards how a launch sizes
+        per_device_batch_size against the mesh, while a layer takes the batch it is given.
+        At decode a step is one new token, and the context length still sizes it."""
+        if self.config is None:
+            raise ValueError(
+                "This DispatchPlan carries no config (it was not built by selector.analyse "
+                "or selector.resolve), so it cannot be re-planned for another input shape. "
+                "Build it with selector.resolve(cfg, mesh)."
+            )
+        decode = self.config.mode is Mode.decode
+        shaped = self.config.replace(
+            per_device_batch_size=batch / self.mesh.num_devices,
+            max_target_length=self.config.max_target_length if decode else seq,
+            dispatch=self.strategy,
+            expert_exchange=self.placement.exchange,
+            allow_local_batch_inflation=True,
+        )
+        return analyse(shaped, self.live_shape)
 
     def as_dict(self) -> dict:
         return {
@@ -296,5 +327,7 @@ def _analyse(
         exchange_backend=exchange_backend(cfg),
         target=targets.describe(cfg.hardware.name, mesh.num_devices, cfg.num_slices),
         training=cfg.mode is Mode.train,
+        config=cfg,
+        live_shape=None if live_shape is None else dict(live_shape),
     )
     return plan, findings

@@ -48,7 +48,7 @@ def build(
             *extra,
         ]
     )
-    return layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(seed))
+    return layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(seed))
 
 
 def inputs(batch: int, seq: int, emb: int = 64, seed: int = 1):

@@ -22,9 +22,6 @@ NEVER_IN_SELECTOR = {"jax", "jaxlib", "flax", "layers", "checks"}
 # The plan and what it holds: the config's enums and dataclasses, the findings it
 # carries, and the sizes it prices that the layers allocate (selector.plan_sizes).
 PLAN_TYPES = {"selector.plan", "selector.config", "selector.findings", "selector.plan_sizes"}
-# MoEBlock(cfg, mesh=...) without a plan resolves one, and reads a DictConfig as the
-# typed Config: the selector's public edge, called, never re-implemented.
-MOE_BLOCK_DEFAULTS = {"selector.api", "selector.compose"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -85,8 +82,7 @@ def violations(root: Path) -> list[str]:
                 if package == "layers" and top == "checks":
                     out.append(f"{module} imports {imported} (checks sit above the layers)")
                 if package == "layers" and top == "selector":
-                    allowed = PLAN_TYPES | (MOE_BLOCK_DEFAULTS if module == "layers.moe" else set())
-                    if imported not in allowed:
+                    if imported not in PLAN_TYPES:
                         out.append(f"{module} imports {imported} (layers take only plan types)")
     return out
 
@@ -119,6 +115,7 @@ def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
         "selector.dynamic imports checks.compiled (the selector stays jax-free)",
         "selector.inner imports jax.numpy (the selector stays jax-free)",
         "selector.relative imports layers.moe (the selector stays jax-free)",
+        "layers.moe imports selector.api (layers take only plan types)",
         "layers.router imports selector (layers take only plan types)",
         "layers.spec imports selector.api (layers take only plan types)",
     ]

@@ -18,12 +18,18 @@ REPORTED_TINY = [
 ]
 
 
+def block_on(cfg, mesh_sizes: dict[str, int]):
+    """The block the selector plans for `cfg` on a live mesh of `mesh_sizes`."""
+    mesh = layers.make_mesh(mesh_sizes)
+    return layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
+
+
 def test_reported_case_builds_and_runs_forward_and_backward(jax_cpu8):
     cfg = selector.compose(REPORTED_TINY)
     plan = selector.resolve(cfg)
     assert plan.cp == 4 and plan.per_device.tokens_per_device == 2048
     mesh = layers.mesh_for_plan(plan)
-    model = layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    model = layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
     assert model.plan.mesh.source == "live mesh" and model.plan.strategy is plan.strategy
     x = jax.random.normal(jax.random.key(0), (round(plan.per_device.global_batch), 8192, 64))
     x = jax.device_put(x, model.layout.named(model.layout.x_BSM))
@@ -55,7 +61,7 @@ def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
         ]
     )
     with pytest.raises(selector.ConfigError, match="LOCAL_BATCH_INFLATION"):
-        layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
+        block_on(cfg, {"fsdp": 2, "context": 4})
 
 
 def test_block_refuses_inputs_no_plan_can_serve(jax_cpu8):
@@ -65,7 +71,7 @@ def test_block_refuses_inputs_no_plan_can_serve(jax_cpu8):
     cfg = selector.compose(
         ["model=tiny", "mesh=cpu_8", "per_device_batch_size=0.25", "ici_context_parallelism=4"]
     )
-    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 2, "context": 4}), rngs=nnx.Rngs(0))
+    model = block_on(cfg, {"fsdp": 2, "context": 4})
     with pytest.raises(selector.ConfigError, match=r"SEQUENCE_NOT_DIVISIBLE.*max_target_length=32"):
         model(jnp.zeros((2, 30, 64)))
     with pytest.raises(selector.ConfigError, match=r"INPUT_EMB_MISMATCH.*base_emb_dim=48"):
@@ -74,7 +80,7 @@ def test_block_refuses_inputs_no_plan_can_serve(jax_cpu8):
 
 def test_parameter_names_and_shapes_follow_maxtext(jax_cpu8):
     cfg = selector.compose(["model=tiny", "mesh=cpu_8"])
-    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0))
+    model = block_on(cfg, {"fsdp": 8})
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     shapes = {"/".join(map(str, k)): v.shape for k, v in flat}
     assert shapes == {
@@ -95,7 +101,7 @@ def test_one_expert_is_a_plain_mlp(jax_cpu8):
             "max_target_length=16",
         ]
     )
-    model = layers.MoEBlock(cfg, mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0))
+    model = block_on(cfg, {"fsdp": 8})
     assert model.plan.strategy is selector.Dispatch.mlp
     mlp = layers.MlpBlock(64, 128, rngs=nnx.Rngs(1))
     mlp.wi_0[...], mlp.wi_1[...], mlp.wo[...] = model.wi_0[0], model.wi_1[0], model.wo[0]
@@ -110,14 +116,8 @@ def test_one_expert_applies_the_routing_scale(jax_cpu8):
     the router's weight for it (1 after softmax, times the scale)."""
     overrides = ["model=tiny", "mesh=cpu_8", "num_experts=1", "num_experts_per_tok=1"]
     overrides += ["max_target_length=16"]
-    plain = layers.MoEBlock(
-        selector.compose(overrides), mesh=layers.make_mesh({"fsdp": 8}), rngs=nnx.Rngs(0)
-    )
-    scaled = layers.MoEBlock(
-        selector.compose([*overrides, "routed_scaling_factor=2.5"]),
-        mesh=layers.make_mesh({"fsdp": 8}),
-        rngs=nnx.Rngs(0),
-    )
+    plain = block_on(selector.compose(overrides), {"fsdp": 8})
+    scaled = block_on(selector.compose([*overrides, "routed_scaling_factor=2.5"]), {"fsdp": 8})
     x = jax.random.normal(jax.random.key(3), (8, 16, 64))
     np.testing.assert_allclose(scaled(x)[0], 2.5 * plain(x)[0], rtol=1e-5, atol=1e-6)
 

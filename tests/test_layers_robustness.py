@@ -1,6 +1,8 @@
 """No token lost silently: dropless paths route all tokens x k assignments, the capacity
 path counts its drops, and non-finite inputs have one documented behaviour."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,7 +123,7 @@ def test_a_mesh_with_explicit_axes_is_refused(jax_cpu8):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     cfg = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu"])
     with pytest.raises(ValueError, match="not of auto type"):
-        layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+        layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("size", [0, -2])
@@ -133,3 +135,28 @@ def test_a_live_mesh_axis_without_devices_is_a_finding(size):
     assert [f.code for f in findings] == ["MESH_AXIS_INVALID"]
     with pytest.raises(selector.ConfigError, match="MESH_AXIS_INVALID"):
         selector.resolve(cfg, {"data": size, "context": 8})
+
+
+def test_the_block_takes_its_config_from_the_plan(jax_cpu8):
+    """The block builds from the config its plan was resolved from: the plan alone
+    works; a config without a plan, or one that disagrees with its plan, is refused."""
+    from flax import nnx
+
+    import layers
+    import selector
+
+    mesh = layers.make_mesh({"fsdp": 8})
+    cfg = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu"])
+    plan = selector.resolve(cfg, mesh)
+    block = layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0))
+    assert block.spec.emb == plan.config.base_emb_dim == 64
+    with pytest.raises(TypeError, match=r"MoEBlock\(selector\.resolve\(cfg, mesh\)"):
+        layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    wider = selector.compose(["model=tiny", "mesh=cpu_8", "hardware=cpu", "base_emb_dim=128"])
+    with pytest.raises(
+        ValueError, match=r"base_emb_dim=128 but its plan was resolved for base_emb_dim=64"
+    ):
+        layers.MoEBlock(wider, mesh=mesh, plan=plan, rngs=nnx.Rngs(0))
+    bare = dataclasses.replace(plan, config=None)
+    with pytest.raises(ValueError, match="carries no config"):
+        bare.at_shape(8, 32)

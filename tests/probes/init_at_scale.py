@@ -29,7 +29,9 @@ def main() -> None:
             "max_target_length=8192",
         ]
     )
-    block = nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    block = nnx.eval_shape(
+        lambda: layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
+    )
     names, shapes, shardings = block.param_layout()
     program = initialiser(tuple(shapes), block.param_dtype, tuple(shardings))
     keys = tuple(jax.random.key(i) for i in range(len(shapes)))

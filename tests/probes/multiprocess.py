@@ -55,7 +55,7 @@ def main() -> None:
             "allow_local_batch_inflation=true",
         ]
     )
-    model = layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0))
+    model = layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(7)
     x_global = rng.standard_normal((batch, seq, emb)).astype(np.float32)
     cot_global = rng.standard_normal((batch, seq, emb)).astype(np.float32)
