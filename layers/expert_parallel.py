@@ -56,6 +56,8 @@ from .grouped_matmul import (
     tiled_input_grad,
     tiled_weight_grad,
 )
+from .pallas_gmm import ROW_TILE as PALLAS_ROW_TILE
+from .pallas_gmm import pallas_gmm, pallas_input_grad, pallas_weight_grad_into
 from .vma import reduce_like, varying_like
 
 
@@ -99,6 +101,38 @@ def _slot_swiglu(
     return gmm(act, wo, sizes_L, gmm_backend, **kernel)
 
 
+def _slot_kernels(gmm_backend: str, platform: str, row_tile):
+    """(forward, input_grad, weight_grad_into) of a backend whose pieces are public, for
+    a pullback written out; None for the others (ragged_dot goes through jax.vjp).
+
+    forward(x, ws, sizes) -> (x @ w[e] for w in ws); input_grad(dys, ws, sizes) ->
+    sum_i dy_i @ w_i[e]^T; weight_grad_into(x, dy, sizes, acc) -> acc + x^T dy per
+    expert, added by the kernel into the float32 accumulator in place."""
+    if gmm_backend == "tiled_gmm":
+        return (
+            tiled_forward,
+            tiled_input_grad,
+            lambda x, dy, sizes, acc: tiled_weight_grad(x, dy, sizes, existing_out=acc),
+        )
+    if gmm_backend != "pallas_megablox":
+        return None
+    kernel = dict(interpret=platform != "tpu", row_tile=row_tile or PALLAS_ROW_TILE)
+
+    def forward(x, ws, sizes):
+        return tuple(pallas_gmm(x, w, sizes, **kernel) for w in ws)
+
+    def input_grad(dys, ws, sizes):
+        total = pallas_input_grad(dys[0], ws[0], sizes, **kernel)
+        for dy, w in zip(dys[1:], ws[1:], strict=True):
+            total = total + pallas_input_grad(dy, w, sizes, **kernel)
+        return total
+
+    def weight_grad_into(x, dy, sizes, acc):
+        return pallas_weight_grad_into(x, dy, sizes, acc, **kernel)
+
+    return forward, input_grad, weight_grad_into
+
+
 def _slot_swiglu_pullback(
     x_BM,
     ids_B,
@@ -113,10 +147,13 @@ def _slot_swiglu_pullback(
 ):
     """(dx_BM, dscale_B, dw + this slot's weight gradient): the pullback of
     `_slot_swiglu`, with the weight gradient added to the float32 accumulators `dw`. For
-    `tiled_gmm` it is written out so the weight-gradient kernel adds into `dw` in place
-    (no per-slot gradient buffer and no float32 copy of it); other backends go through
-    jax.vjp."""
-    if gmm_backend != "tiled_gmm":
+    `tiled_gmm` and `pallas_megablox` it is written out so the weight-gradient kernel
+    adds into `dw` in place: no per-slot (L, K, N) gradient buffer, no float32 add that
+    reads and writes every local expert's accumulator again, and no forward `wo` product
+    (only its input is needed). tiled_gmm visits only the experts with rows in the slot;
+    JAX's tgmm visits every expert once. Other backends go through jax.vjp."""
+    kernels = _slot_kernels(gmm_backend, platform, row_tile)
+    if kernels is None:
 
         def local(x, w_, s):
             return _slot_swiglu(x, ids_B, w_, s, local_experts, gmm_backend, platform, row_tile)
@@ -125,18 +162,19 @@ def _slot_swiglu_pullback(
         dx_BM, dw_slot, dscale_B = pullback(dy_BM)
         dw = tuple(a + b.astype(jnp.float32) for a, b in zip(dw, dw_slot, strict=True))
         return dx_BM, dscale_B, dw
+    forward, input_grad, weight_grad_into = kernels
     wi_0, wi_1, wo = w
     sizes_L = _slot_group_sizes(ids_B, local_experts)
-    gate, up = tiled_forward(x_BM, (wi_0, wi_1), sizes_L)
+    gate, up = forward(x_BM, (wi_0, wi_1), sizes_L)
     unscaled, act_pullback = jax.vjp(swiglu, gate, up)
     scale = scale_B[:, None].astype(unscaled.dtype)
-    dwo = tiled_weight_grad(unscaled * scale, dy_BM, sizes_L, existing_out=dw[2])
-    d_act = tiled_input_grad((dy_BM,), (wo,), sizes_L)
+    dwo = weight_grad_into(unscaled * scale, dy_BM, sizes_L, dw[2])
+    d_act = input_grad((dy_BM,), (wo,), sizes_L)
     dscale_B = jnp.sum(d_act.astype(jnp.float32) * unscaled, axis=1).astype(scale_B.dtype)
     d_gate, d_up = act_pullback(d_act * scale)
-    dx_BM = tiled_input_grad((d_gate, d_up), (wi_0, wi_1), sizes_L)
-    dwi_0 = tiled_weight_grad(x_BM, d_gate, sizes_L, existing_out=dw[0])
-    dwi_1 = tiled_weight_grad(x_BM, d_up, sizes_L, existing_out=dw[1])
+    dx_BM = input_grad((d_gate, d_up), (wi_0, wi_1), sizes_L)
+    dwi_0 = weight_grad_into(x_BM, d_gate, sizes_L, dw[0])
+    dwi_1 = weight_grad_into(x_BM, d_up, sizes_L, dw[1])
     return dx_BM, dscale_B, (dwi_0, dwi_1, dwo)
 
 

@@ -163,7 +163,9 @@ def tiled_weight_grad(x_RK, dy_RN, group_sizes_E, existing_out=None):
     """dw_EKN[e] = x[rows of e]^T @ dy[rows of e], accumulated per expert in a local carry.
 
     With `existing_out` (a float32 accumulator) the result is added to it in place instead:
-    a caller summing many calls holds one float32 buffer, not one more per call."""
+    a caller summing many calls holds one float32 buffer, not one more per call. Only the
+    experts with rows are visited: an empty expert's slice is left as it is (zero, or
+    the accumulator's), neither read nor written."""
     rows, k = x_RK.shape
     n = dy_RN.shape[1]
     num_experts = group_sizes_E.shape[0]
@@ -208,7 +210,12 @@ def tiled_weight_grad(x_RK, dy_RN, group_sizes_E, existing_out=None):
             acc_KN = acc_KN + lax.dynamic_index_in_dim(dw, e, 0, keepdims=False)
         return lax.dynamic_update_index_in_dim(dw, acc_KN.astype(dw.dtype), e, 0)
 
-    return lax.fori_loop(0, num_experts, expert_body, dw_EKN)
+    # Only the experts with rows: their ids in order, then as many trips as there are
+    # (a data-dependent trip count), so an empty expert's slice of `dw` (the caller's
+    # float32 accumulator) is neither read nor written.
+    served_E = jnp.nonzero(group_sizes_E > 0, size=num_experts, fill_value=0)[0]
+    served = jnp.sum(group_sizes_E > 0)
+    return lax.fori_loop(0, served, lambda i, dw: expert_body(served_E[i], dw), dw_EKN)
 
 
 @jax.custom_vjp

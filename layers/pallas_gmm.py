@@ -66,8 +66,9 @@ def _gmm(x_RK, w_EKN, group_sizes_E, interpret: bool, tm: int, transpose_w: bool
     return varying_like(y_RN, x_RK, w_EKN, group_sizes_E)
 
 
-def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool, tm: int):
+def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool, tm: int, existing_out=None):
     k, n = x_RK.shape[1], dy_RN.shape[1]
+    into = {} if existing_out is None else {"existing_out": existing_out}
     dw_EKN = _unchecked(
         _kernels.tgmm,
         x_RK.swapaxes(0, 1),
@@ -76,8 +77,9 @@ def _tgmm(x_RK, dy_RN, group_sizes_E, dtype, interpret: bool, tm: int):
         dtype,
         (tm, pallas_kn_tile(k), pallas_kn_tile(n)),
         interpret=interpret,
+        **into,
     )
-    return varying_like(dw_EKN, x_RK, dy_RN, group_sizes_E)
+    return varying_like(dw_EKN, x_RK, dy_RN, group_sizes_E, *into.values())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -99,13 +101,39 @@ def _bwd(interpret, tm, res, dy_RN):
 _padded_gmm.defvjp(_fwd, _bwd)
 
 
+def _pad_rows(x_RK, row_tile: int):
+    """x with zero rows appended up to a multiple of the row tile (past every group)."""
+    rows = x_RK.shape[0]
+    padded = -(-max(rows, 1) // row_tile) * row_tile
+    return lax.pad(x_RK, jnp.zeros((), x_RK.dtype), ((0, padded - rows, 0), (0, 0, 0)))
+
+
+def pallas_input_grad(dy_RN, w_EKN, group_sizes_E, *, interpret: bool, row_tile: int = ROW_TILE):
+    """dy_RN rows of group e times w_EKN[e]^T: `pallas_gmm`'s input gradient, for callers
+    that write their own VJP (the exchange)."""
+    sizes = group_sizes_E.astype(jnp.int32)
+    dy = _pad_rows(dy_RN, row_tile)
+    return _gmm(dy, w_EKN, sizes, interpret, row_tile, transpose_w=True)[: dy_RN.shape[0]]
+
+
+def pallas_weight_grad_into(
+    x_RK, dy_RN, group_sizes_E, acc_EKN, *, interpret: bool, row_tile: int = ROW_TILE
+):
+    """acc_EKN[e] + x[rows of e]^T @ dy[rows of e] for every group, in acc's dtype (float32):
+    `pallas_gmm`'s weight gradient added into an accumulator by the tgmm kernel itself
+    (`existing_out`, aliased to its output), so no per-call gradient buffer is written
+    and no separate add reads it back. The kernel still visits every group once (JAX's
+    tgmm zeroes or keeps the groups without rows), reading and writing its block."""
+    sizes = group_sizes_E.astype(jnp.int32)
+    x, dy = _pad_rows(x_RK, row_tile), _pad_rows(dy_RN, row_tile)
+    return _tgmm(x, dy, sizes, acc_EKN.dtype, interpret, row_tile, existing_out=acc_EKN)
+
+
 def pallas_gmm(x_RK, w_EKN, group_sizes_E, *, interpret: bool, row_tile: int = ROW_TILE):
     """y_RN = x_RK rows of group e times w_EKN[e], by the Pallas megablox kernels
     (forward `gmm`; backward `gmm` against the transposed weights and `tgmm`), every
     one with `row_tile` rows a tile (the plan's `GmmTiling.tm`). The weight gradient
     comes back in the weights' dtype, as JAX's megablox returns it."""
-    rows = x_RK.shape[0]
-    padded = -(-max(rows, 1) // row_tile) * row_tile
-    x_pad = lax.pad(x_RK, jnp.zeros((), x_RK.dtype), ((0, padded - rows, 0), (0, 0, 0)))
+    x_pad = _pad_rows(x_RK, row_tile)
     y = _padded_gmm(x_pad, w_EKN, group_sizes_E.astype(jnp.int32), interpret, row_tile)
-    return y[:rows]
+    return y[: x_RK.shape[0]]

@@ -228,3 +228,39 @@ def test_random_group_sizes_match_the_reference(sizes, seed):
         assert_close(dw, rdw, what="dw")
     else:
         np.testing.assert_array_equal(dw, 0)
+
+
+# A slot of the exchange: empty experts first, between and last, single-row experts
+# beside them, one expert over a full tile, and rows past the last group.
+SLOT_SIZES = [0, 1, 0, 0, 70, 1, 0, 9, 0]
+
+
+@pytest.mark.parametrize("backend", ["tiled_gmm", "pallas_megablox"])
+def test_weight_grad_into_adds_only_the_experts_with_rows(backend):
+    """The exchange's per-slot weight gradient (layers.expert_parallel) adds x^T dy into
+    the float32 accumulators in place: every expert with rows gets its own rows' product
+    added to what it held (none skipped, none given a neighbour's or a stale sum), and an
+    empty expert's accumulator comes back exactly as it was."""
+    from layers.pallas_gmm import pallas_weight_grad_into
+
+    rows = sum(SLOT_SIZES) + 5
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (rows, 16))
+    dy = jax.random.normal(keys[1], (rows, 8))
+    acc = jax.random.normal(keys[2], (len(SLOT_SIZES), 16, 8))
+    gs = jnp.asarray(SLOT_SIZES, jnp.int32)
+    if backend == "tiled_gmm":
+        got = jax.jit(lambda *a: tiled_weight_grad(*a[:3], existing_out=a[3]))(x, dy, gs, acc)
+    else:
+        got = jax.jit(lambda *a: pallas_weight_grad_into(*a, interpret=True, row_tile=8))(
+            x, dy, gs, acc
+        )
+    assert got.dtype == jnp.float32
+    got, expected = np.asarray(got), np.asarray(acc, np.float64).copy()
+    xs, dys, start = np.asarray(x, np.float64), np.asarray(dy, np.float64), 0
+    for e, n in enumerate(SLOT_SIZES):
+        expected[e] += xs[start : start + n].T @ dys[start : start + n]
+        start += n
+        if n == 0:
+            np.testing.assert_array_equal(got[e], np.asarray(acc)[e], err_msg=f"expert {e}")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
