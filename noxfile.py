@@ -9,8 +9,8 @@ Arguments after `--` replace the pytest arguments, e.g.
 
 nox looks for `python3.11` / `python3.12` on PATH. Under pyenv both shims resolve only
 when both versions are active: `PYENV_VERSION=3.11.7:3.12.1 nox -s tests-3.12` (or list
-them in `pyenv global`/`pyenv local`). `-r` reuses the virtualenv under .nox/ instead of
-reinstalling it.
+them in `pyenv global`/`pyenv local`; `.ci/run` does this). `-r` reuses the virtualenv
+under .nox/ instead of reinstalling it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ nox.options.sessions = ["tests-3.11", "tests-3.12", "docs"]
 nox.options.default_venv_backend = "venv"
 
 # The README's test command (8 simulated CPU devices are set by tests/conftest.py).
-PYTEST = ("-q", "-n", "2")
+PYTEST = ("-q", "-n", "2", "--dist", "worksteal")
 
 # The jax 0.12 stack: MaxText 0.2.5 wants Python >= 3.12 and pins no jax of its own that
 # conflicts with these; it is installed without its dependencies and with the packages
@@ -46,10 +46,6 @@ MAXTEXT_IMPORTS = (
     "omegaconf",
     "tokamax",
 )
-# The project's own runtime and test dependencies (pyproject's dependencies and test
-# extra), installed by hand because the project goes in with --no-deps.
-PROJECT_DEPS = ("hydra-core>=1.3.2", "omegaconf>=2.3.0")
-TEST_DEPS = ("pytest>=7.4", "pytest-xdist>=3.5", "hypothesis>=6.100", "optax>=0.2.4", "tqdm>=4.66")
 
 
 @nox.session(name="tests-3.11", python="3.11")
@@ -65,8 +61,9 @@ def tests_312(session: nox.Session) -> None:
     session.install(*JAX_012)
     session.install(MAXTEXT, "--no-deps")
     session.install(*MAXTEXT_IMPORTS)
-    session.install("--no-deps", ".")
-    session.install(*PROJECT_DEPS, *TEST_DEPS)
+    # The project with its test and docs extras; pip keeps the jax 0.12 stack above (it
+    # satisfies pyproject's lower bounds).
+    session.install(".[test,docs]")
     session.run("python", "-c", "import maxtext.layers.moe, jax; print('jax', jax.__version__)")
     session.run("python", "-m", "pytest", *(session.posargs or PYTEST))
 

@@ -155,7 +155,7 @@ FLOAT_KNOBS = [
 ] + ["hardware.memory_gib", "hardware.hbm_bandwidth_gbps"]
 
 
-@pytest.mark.parametrize("knob,value", itertools.product(FLOAT_KNOBS, ("inf", "-inf", "nan")))
+@pytest.mark.parametrize("knob,value", list(itertools.product(FLOAT_KNOBS, ("inf", "-inf", "nan"))))
 def test_non_finite_numbers_get_their_own_message(knob, value):
     found = [f for f in selector.validate(typed(f"{knob}={value}")) if f.setting == knob]
     assert [f.code for f in found] == ["VALUE_NOT_FINITE"], [f.message for f in found]
