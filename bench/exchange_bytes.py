@@ -27,11 +27,12 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench.common import arguments, load, pyplot, save, table
+from bench.targets import REAL_MESH, real_layer_overrides
 
 STUDY = "exchange_bytes"
 MODELS = ("qwen3_next_80b_a3b", "deepseek_v3")
 EXCHANGES = ("gather", "all_to_all")
-MESH = {"fsdp": 16, "context": 4}  # 64 v5p chips: a 4x4x4 slice
+
 COLUMNS = [
     ("label", "label"),
     ("jax", "jax"),
@@ -46,37 +47,15 @@ COLUMNS = [
 ]
 
 
-def overrides(model: str, exchange: str) -> list[str]:
-    return [
-        f"model={model}",
-        "mesh=v5p_128",
-        "num_devices=64",
-        "ici_fsdp_parallelism=16",
-        "ici_context_parallelism=4",
-        "per_device_batch_size=0.25",
-        "max_target_length=8192",
-        "dispatch=megablox",
-        f"expert_exchange={exchange}",
-        "dtype=bfloat16",
-        "param_dtype=bfloat16",
-        "hardware.memory_gib=1000000",
-    ]
-
-
 def build_block(cfg, mesh):
-    """The abstract block (no weights allocated), from the resolved plan or, on a
-    checkout whose MoEBlock takes the config, from the config."""
+    """The abstract block (no weights allocated) the selector plans for `cfg` on `mesh`."""
     from flax import nnx
 
     import layers
     import selector
 
-    try:
-        return nnx.eval_shape(
-            lambda: layers.MoEBlock(selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0))
-        )
-    except (TypeError, AttributeError):
-        return nnx.eval_shape(lambda: layers.MoEBlock(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    plan = selector.resolve(cfg, mesh)
+    return nnx.eval_shape(lambda: layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0)))
 
 
 def compile_row(model: str, exchange: str, mesh, label: str) -> dict:
@@ -86,7 +65,7 @@ def compile_row(model: str, exchange: str, mesh, label: str) -> dict:
     from checks.compiled import cost_analysis
     from layers.programs import compile_fwd_bwd
 
-    block = build_block(selector.compose(overrides(model, exchange)), mesh)
+    block = build_block(selector.compose(real_layer_overrides(model, exchange)), mesh)
     start = time.perf_counter()
     program = compile_fwd_bwd(block, 16, 8192)
     seconds = time.perf_counter() - start
@@ -160,7 +139,7 @@ def main() -> None:
     from checks.targets import devices
     from selector import targets
 
-    mesh = layers.make_mesh(MESH, devices(targets.Target("v5p", 64)))
+    mesh = layers.make_mesh(REAL_MESH, devices(targets.Target("v5p", 64)))
     try:
         payload = load(STUDY)
     except FileNotFoundError:

@@ -226,6 +226,25 @@ REAL_COLUMNS = [
 ]
 
 
+def real_layer_overrides(model: str, exchange: str) -> list[str]:
+    """One MoE layer of `model` at its real size on 64 v5p chips (fsdp=16 x context=4),
+    bfloat16, one sequence of 8192 tokens per fsdp shard, megablox with `exchange`."""
+    return [
+        f"model={model}",
+        "mesh=v5p_128",
+        "num_devices=64",
+        "ici_fsdp_parallelism=16",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=8192",
+        "dispatch=megablox",
+        f"expert_exchange={exchange}",
+        "dtype=bfloat16",
+        "param_dtype=bfloat16",
+        "hardware.memory_gib=1000000",
+    ]
+
+
 def real_rows() -> list[dict]:
     """One MoE layer of each real model (its preset: routing and shared experts too),
     bfloat16, fwd+bwd, one sequence of 8192 tokens per fsdp shard, on 64 v5p chips."""
@@ -242,22 +261,7 @@ def real_rows() -> list[dict]:
     rows = []
     for model in ("qwen3_next_80b_a3b", "deepseek_v3"):
         for exchange in ("gather", "all_to_all"):
-            cfg = selector.compose(
-                [
-                    f"model={model}",
-                    "mesh=v5p_128",
-                    "num_devices=64",
-                    "ici_fsdp_parallelism=16",
-                    "ici_context_parallelism=4",
-                    "per_device_batch_size=0.25",
-                    "max_target_length=8192",
-                    "dispatch=megablox",
-                    f"expert_exchange={exchange}",
-                    "dtype=bfloat16",
-                    "param_dtype=bfloat16",
-                    "hardware.memory_gib=1000000",
-                ]
-            )
+            cfg = selector.compose(real_layer_overrides(model, exchange))
             block = nnx.eval_shape(
                 lambda cfg=cfg: layers.MoEBlock(
                     selector.resolve(cfg, mesh), mesh=mesh, rngs=nnx.Rngs(0)
