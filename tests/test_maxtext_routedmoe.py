@@ -3,7 +3,9 @@
 Runs only where MaxText is importable (its wheel wants Python >= 3.12 and jax 0.12; see
 noxfile.py, session tests-3.12). Both blocks run on the 8 simulated CPU devices (data=8);
 outputs and every gradient (input, router kernel, expert weights) are compared on host
-copies (eager ops across two meshes of the same devices are unsafe, see NOTES).
+copies (eager ops across two meshes of the same devices are unsafe, see NOTES). One more
+test compiles both, ahead of time for 8 abstract v5p chips (XLA:TPU through libtpu;
+nothing runs), and compares their per-device memory.
 """
 
 import os
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo import collectives
 from layer_helpers import ROUTINGS, assert_close, build, inputs, loss_and_grads
 
 from layers.maxtext_params import load_maxtext, paths
@@ -51,6 +54,9 @@ def maxtext_block(*overrides: str):
             f"base_output_directory={tempfile.gettempdir()}/moe_cp_maxtext_output",
             "enable_checkpointing=false",
             "skip_jax_distributed_system=true",
+            # No persistent compilation cache (base.yml's is ~/jax_cache): entries written
+            # for abstract TPU/GPU devices by later tests in this process fail to load.
+            "jax_cache_dir=",
             "hardware=cpu",
             "ici_data_parallelism=8",
             f"base_emb_dim={EMB}",
@@ -176,3 +182,191 @@ def test_capacity_drops_match_maxtexts_dense_capacity_path(jax_cpu8):
     )
     assert float(stats["dropped_tokens"]) > 0  # the comparison must exercise drops
     check(errors)
+
+
+# --- Per-device memory compiled for v5p -------------------------------------------------
+
+# A small bf16 model on 8 v5p chips, fsdp=2 x context=4 (the sequence split 4 ways). The
+# sequence, 3 x 512, puts the factor 3 in every token count (384 tokens a device, 768
+# routed rows, 1536, 3072 ...) and in none of the weights' dims (powers of two): a
+# collective with a dim divisible by 3 moves tokens.
+V5P_EMB, V5P_HIDDEN, V5P_EXPERTS, V5P_TOP_K = 512, 256, 16, 2
+V5P_BATCH, V5P_SEQ = 2, 1536
+V5P_MESH = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4")
+
+
+def v5p_target():
+    """8 abstract v5p chips (libtpu's compile-only topology), or skip naming the extra."""
+    pytest.importorskip("libtpu", reason='needs the tpu extra: pip install ".[tpu]"')
+    from checks.targets import devices
+    from selector.targets import Target, TargetUnavailable
+
+    target = Target("v5p", 8)
+    try:
+        return target, devices(target)
+    except TargetUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def compile_train_like(loss, w, x, options):
+    """The compiled d(loss)/d(w, x) with each gradient sharded as its primal, as a train
+    step keeps them (a plain jit(grad) returns MaxText's weight gradients replicated).
+    Without the persistent compilation cache (MaxText's configs point it at ~/jax_cache):
+    an entry written for abstract devices fails to load back, and that warning fails."""
+    out = (jax.tree.map(lambda a: a.sharding, w), x.sharding)
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=out).lower(w, x)
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile(options)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+
+
+def maxtext_v5p_program(devices, options):
+    """MaxText's RoutedMoE on its default TPU path (sparse_matmul, megablox: its Pallas
+    kernels, native on a TPU mesh), parameters sharded by MaxText's logical axis rules."""
+    from flax import nnx
+    from flax.core.spmd import logical_axis_rules
+    from flax.linen import logical_to_mesh_axes
+    from jax.sharding import NamedSharding
+    from maxtext.configs import pyconfig
+    from maxtext.layers import initializers, moe
+    from maxtext.utils import maxtext_utils, sharding
+
+    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+    cfg = pyconfig.initialize(
+        [
+            None,
+            base,
+            "run_name=moe_cp_memory",
+            f"base_output_directory={tempfile.gettempdir()}/moe_cp_maxtext_output",
+            "enable_checkpointing=false",
+            "skip_jax_distributed_system=true",
+            "jax_cache_dir=",  # leave the persistent cache alone (see compile_train_like)
+            "hardware=tpu",
+            *V5P_MESH,
+            f"base_emb_dim={V5P_EMB}",
+            f"base_mlp_dim={V5P_HIDDEN}",
+            f"base_moe_mlp_dim={V5P_HIDDEN}",
+            f"num_experts={V5P_EXPERTS}",
+            f"num_experts_per_tok={V5P_TOP_K}",
+            "sparse_matmul=true",
+            "megablox=true",
+            "load_balance_loss_weight=0.01",  # a balance loss, as ours computes
+            "dtype=bfloat16",
+            "weight_dtype=bfloat16",
+            f"per_device_batch_size={V5P_BATCH / 8}",
+            f"max_target_length={V5P_SEQ}",
+        ]
+    )
+    mesh = maxtext_utils.get_mesh_from_config(cfg, devices)
+    with logical_axis_rules(cfg.logical_axis_rules):
+        block = nnx.eval_shape(
+            lambda: moe.RoutedMoE(
+                config=cfg,
+                num_experts=cfg.num_experts,
+                num_experts_per_tok=cfg.num_experts_per_tok,
+                mesh=mesh,
+                kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+                kernel_axes=("embed", None),
+                intermediate_dim=V5P_HIDDEN,
+                weight_dtype=jnp.bfloat16,
+                dtype=jnp.bfloat16,
+                rngs=nnx.Rngs(0),
+            )
+        )
+        graph, params, rest = nnx.split(block, nnx.Param, ...)
+        # MaxText's own resolution of each parameter's logical axes (its train state's).
+        shardings = sharding.nnx_construct_named_sharding(params, mesh)
+        x_spec = logical_to_mesh_axes(
+            ("activation_batch_moe", "activation_length_moe", "activation_embed_moe")
+        )
+    w = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings
+    )
+    x = jax.ShapeDtypeStruct(
+        (V5P_BATCH, V5P_SEQ, V5P_EMB), jnp.bfloat16, sharding=NamedSharding(mesh, x_spec)
+    )
+
+    def loss(w, x):
+        y, lb_loss, _ = nnx.merge(graph, w, rest)(x)
+        return jnp.sum(y * y) + lb_loss
+
+    # Its routing broadcasts ranks implicitly; its layers read the rules while tracing.
+    with (
+        logical_axis_rules(cfg.logical_axis_rules),
+        jax.set_mesh(mesh),
+        jax.numpy_rank_promotion("allow"),
+    ):
+        return compile_train_like(loss, w, x, options)
+
+
+def our_v5p_program(devices, options):
+    """Our MoEBlock at the same model, mesh and dtypes: megablox dispatch (gathered
+    experts, the Pallas grouped matmul), the plan the selector resolves for it."""
+    from flax import nnx
+
+    import layers
+    import selector
+    from layers.programs import abstract_inputs, block_forward, fwd_bwd_loss
+
+    cfg = selector.compose(
+        [
+            "model=tiny",
+            "hardware=v5p",
+            "num_devices=8",
+            *V5P_MESH,
+            f"base_emb_dim={V5P_EMB}",
+            f"base_moe_mlp_dim={V5P_HIDDEN}",
+            f"num_experts={V5P_EXPERTS}",
+            f"num_experts_per_tok={V5P_TOP_K}",
+            "norm_topk_prob=false",  # MaxText's default
+            "dispatch=megablox",  # the selector picks dense at this small shape
+            "expert_exchange=gather",
+            "dtype=bfloat16",
+            "param_dtype=bfloat16",
+            f"per_device_batch_size={V5P_BATCH / 8}",
+            f"max_target_length={V5P_SEQ}",
+            "context_parallel_load_balance=false",
+        ]
+    )
+    plan = selector.resolve(cfg)
+    assert plan.gmm_backend == "pallas_megablox"
+    mesh = layers.mesh_for_plan(plan, devices)
+    block = nnx.eval_shape(lambda: layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0)))
+    w, x = abstract_inputs(block, V5P_BATCH, V5P_SEQ)
+    return compile_train_like(fwd_bwd_loss(block_forward(block)), w, x, options)
+
+
+def token_collectives(text: str) -> list:
+    """Collectives with a token-sized dim (divisible by 3 here, see V5P_SEQ)."""
+    return [(op, s) for op, s in collectives(text) if any(d % 3 == 0 for shape in s for d in shape)]
+
+
+def test_per_device_memory_compiled_for_v5p_against_maxtexts_routedmoe():
+    """fwd+bwd of MaxText's RoutedMoE (Pallas megablox) and of our MoEBlock, compiled for
+    8 v5p chips on the same fsdp=2 x context=4 mesh, weights and gradients at the same
+    shardings: both run the Mosaic grouped matmul, keep the sequence split (no
+    collective moves tokens), hold the same bytes at rest, and ours needs no more
+    scratch (temp) per device than MaxText's."""
+    target, devices = v5p_target()
+    options = target.compile_options()
+    theirs = maxtext_v5p_program(devices, options)
+    ours = our_v5p_program(devices, options)
+    mt, mo = theirs.memory_analysis(), ours.memory_analysis()
+    mib = 2.0**20
+    numbers = (
+        f"per device, MiB: temp ours {mo.temp_size_in_bytes / mib:.2f} vs MaxText "
+        f"{mt.temp_size_in_bytes / mib:.2f} (ratio "
+        f"{mo.temp_size_in_bytes / mt.temp_size_in_bytes:.3f}); arguments ours "
+        f"{mo.argument_size_in_bytes / mib:.2f} vs MaxText {mt.argument_size_in_bytes / mib:.2f}"
+    )
+    print(numbers)
+    for name, program in (("MaxText", theirs), ("ours", ours)):
+        text = program.as_text()
+        assert "tpu_custom_call" in text, f"{name}: no Mosaic kernel (interpreted Pallas?)"
+        assert not token_collectives(text), f"{name} gathers tokens: {token_collectives(text)}"
+    assert mo.argument_size_in_bytes == mt.argument_size_in_bytes, numbers
+    assert mo.output_size_in_bytes == mt.output_size_in_bytes, numbers
+    assert mo.temp_size_in_bytes <= mt.temp_size_in_bytes, numbers
