@@ -23,29 +23,9 @@ nox.options.default_venv_backend = "venv"
 # The README's test command (8 simulated CPU devices are set by tests/conftest.py).
 PYTEST = ("-q", "-n", "2", "--dist", "worksteal")
 
-# The jax 0.12 stack: MaxText 0.2.5 wants Python >= 3.12 and pins no jax of its own that
-# conflicts with these; it is installed without its dependencies and with the packages
-# its `maxtext.layers.moe` import chain needs.
+# The jax 0.12 stack, pinned first so the project's lower bounds keep it; MaxText 0.2.5
+# and what it imports come with the project's `maxtext` extra.
 JAX_012 = ("jax[tpu]==0.12.0.1", "jax[cuda12-local]==0.12.0.1", "flax==0.12.12")
-MAXTEXT = "maxtext==0.2.5"
-MAXTEXT_IMPORTS = (
-    "qwix",
-    "aqtp",
-    "pydantic",
-    "absl-py",
-    "jinja2",
-    "pathwaysutils",
-    "huggingface_hub",
-    "transformers",
-    "grain",
-    "drjax",
-    "pillow",
-    "tiktoken",
-    "sentencepiece",
-    "sympy",
-    "omegaconf",
-    "tokamax",
-)
 
 
 @nox.session(name="tests-3.11", python="3.11")
@@ -59,11 +39,9 @@ def tests_311(session: nox.Session) -> None:
 def tests_312(session: nox.Session) -> None:
     """The suite on jax 0.12.0.1 / flax 0.12.12 with MaxText 0.2.5 importable."""
     session.install(*JAX_012)
-    session.install(MAXTEXT, "--no-deps")
-    session.install(*MAXTEXT_IMPORTS)
-    # The project with its test and docs extras; pip keeps the jax 0.12 stack above (it
-    # satisfies pyproject's lower bounds).
-    session.install(".[test,docs]")
+    # The project with its test, docs and maxtext extras; pip keeps the jax 0.12 stack
+    # above (it satisfies pyproject's lower bounds).
+    session.install(".[test,docs,maxtext]")
     session.run("python", "-c", "import maxtext.layers.moe, jax; print('jax', jax.__version__)")
     session.run("python", "-m", "pytest", *(session.posargs or PYTEST))
 

@@ -210,13 +210,16 @@ def _emit(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _progress(message: str) -> None:
+    """Progress of a long check, on stderr (the report goes to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def analysed(config):
     """(plan, findings, compile or measure check, or None): compiled candidates when
     `compile=true`, timed ones when `measure=true`. A compiler plugin that is missing is
     unusable input (exit 2, naming the extra), and so is a run that fails."""
-
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+    progress = _progress
 
     if config.measure or config.compile:
         quiet_jax_start()  # before the modes start jax (and its compiler plugins)
@@ -228,9 +231,7 @@ def analysed(config):
             mesh, _ = build_mesh_view(config, None)
             prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
         doing = "time the candidates on this machine"
-        return _or_usage(
-            "measure", doing, lambda: check_mode("measure")(config, progress=progress)
-        )
+        return _or_usage("measure", doing, lambda: check_mode("measure")(config, progress=progress))
     if not config.compile:
         plan, findings = analyse_any(config)
         return plan, findings, None
@@ -254,12 +255,20 @@ def _or_usage(flag: str, doing: str, run):
         ) from None
 
 
-def report(config, plan, findings, *, overrides, job=None, maxtext=None, compiled=None) -> int:
+def report(
+    config, plan, findings, *, overrides, job=None, maxtext=None, compiled=None, maxtext_step=None
+) -> int:
     """Print one report (text or JSON) and return its exit status."""
+    estimate = plan.chosen_estimate.device_bytes if plan is not None else None
     if config.output is OutputFormat.json:
         payload = json.loads(render_json(config, plan, findings, overrides, compiled))
         if maxtext is not None:
             payload["maxtext"] = maxtext.as_dict()
+        if maxtext_step is not None:
+            payload["compiled"] = {
+                "maxtext_train_compile": maxtext_step.as_dict(),
+                "estimate_bytes": estimate,
+            }
         _emit(json.dumps(payload, sort_keys=True))
     else:
         lines = []
@@ -268,6 +277,8 @@ def report(config, plan, findings, *, overrides, job=None, maxtext=None, compile
         if maxtext is not None:
             lines.append(maxtext.summary())
         lines.append(render_text(config, plan, findings, compiled))
+        if maxtext_step is not None:
+            lines.append(maxtext_step.summary(estimate))
         _emit("\n".join(lines))
     return EXIT_INVALID if errors_in(findings) else EXIT_OK
 
@@ -290,7 +301,10 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     if show_cfg:
         _emit(OmegaConf.to_yaml(OmegaConf.structured(imported.config)))
         return EXIT_OK
-    plan, findings, compiled = analysed(imported.config)
+    # compile=true here compiles MaxText's own train step (checks.maxtext_step), not
+    # this project's block: the estimate is made without compiling.
+    wants_step = imported.config.compile
+    plan, findings, compiled = analysed(imported.config.replace(compile=False))
     if imported.exchange_is_maxtexts:
         # Ours: the exchange and the row tile left to the selector.
         free = imported.config.replace(
@@ -299,6 +313,16 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         note = imported.alternative(plan, analyse_any(free)[0])
         imported.notes += [note] if note else []
     findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])
+    step = None
+    if wants_step and plan is not None:
+        step, found = _or_usage(
+            "compile",
+            "compile MaxText's train step",
+            lambda: check_mode("maxtext_compile")(
+                path, rest, imported.config, plan, progress=_progress
+            ),
+        )
+        findings = [*findings, *found]
     if plan is not None:
         reason = imported.explain_reason(plan.reason, plan)
         plan = dataclasses.replace(plan, findings=tuple(findings), reason=reason)
@@ -309,6 +333,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         overrides=rest,
         maxtext=imported,
         compiled=compiled,
+        maxtext_step=step,
     )
 
 

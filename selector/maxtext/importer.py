@@ -397,7 +397,7 @@ def from_maxtext(
       ['LOCAL_BATCH_INFLATION']
     """
     conf_dir = conf_dir or packaged_conf()
-    path, overrides, read_as = _model_file_as_config(Path(path), list(overrides))
+    path, overrides, read_as = model_file_as_config(Path(path), list(overrides))
     over = parse_overrides(overrides)
     raw, files, each = load_chain(Path(path))
     model_name = over.get("model_name", raw.get("model_name"))
@@ -520,7 +520,7 @@ def from_maxtext(
     )
 
 
-def _model_file_as_config(path: Path, overrides: list[str]) -> tuple[Path, list[str], str]:
+def model_file_as_config(path: Path, overrides: list[str]) -> tuple[Path, list[str], str]:
     """A model file (configs/models/NAME.yml, no base_config of its own) given as the
     config: read as MaxText reads `model_name=NAME`, with base.yml beneath it."""
     base = path.parent.parent / "base.yml"
