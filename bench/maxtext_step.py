@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, pyplot, save, table
+from checks import maxtext_step
 
 STUDY = "maxtext_step"
 CACHE = RESULTS / f"{STUDY}_cache.json"
@@ -38,15 +39,6 @@ GIB = 1024**3
 DEFAULT_POINTS = (
     "qwen3-30b-a3b:1,qwen3-30b-a3b:2,qwen3-30b-a3b:4,mixtral-8x7b:1,mixtral-8x7b:2,mixtral-8x7b:4"
 )
-STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
-FIELDS = {
-    "arguments": "argument_size_in_bytes",
-    "outputs": "output_size_in_bytes",
-    "aliased": "alias_size_in_bytes",
-    "temp": "temp_size_in_bytes",
-    "code": "generated_code_size_in_bytes",
-}
-
 COLUMNS = [
     ("point", "point"),
     ("chips", "chips"),
@@ -126,38 +118,12 @@ def overrides(point: dict, args) -> list[str]:
 
 
 def parse_log(text: str) -> dict:
-    """The compiled step's bytes from train_compile's output, or the failure it reports."""
-    m = STATS.search(text)
-    if m:
-        kv = dict(re.findall(r"(\w+)=(\d+)", m.group(1)))
-        out = {k: int(kv[v]) for k, v in FIELDS.items()}
+    """The compiled step's bytes from train_compile's output (the route's own reader,
+    `checks.maxtext_step.parse_log`), with its peak; or the failure it reports."""
+    out = maxtext_step.parse_log(text)
+    if out["status"] == "ok":
         out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
-        out["status"] = "ok"
-        return out
-    lines = text.splitlines()
-    oom = [ln for ln in lines if "RESOURCE_EXHAUSTED" in ln or "CompileTimeHbmOom" in ln]
-    if oom:
-        # libtpu 0.0.50.1: "... the total memory required for HLO temporaries (101.19G)
-        # exceeds available HBM (95.73G)"; older: "Used 111.06G of 95.73G hbm". XLA prints
-        # these with HumanReadableNumBytes, whose G is 2**30 bytes.
-        joined = "\n".join(oom)
-        m = re.search(
-            r"HLO temporaries \(([\d.]+)([GMK])\) exceeds available HBM \(([\d.]+)([GMK])\)", joined
-        )
-        m = m or re.search(r"Used ([\d.]+)([GMK]) of ([\d.]+)([GMK]) hbm", joined)
-        out = {"status": "oom", "message": oom[-1][:600]}
-        if m:
-            scale = {"G": GIB, "M": 1024**2, "K": 1024}
-            out["used_bytes"] = float(m.group(1)) * scale[m.group(2)]
-            out["capacity_bytes"] = float(m.group(3)) * scale[m.group(4)]
-        return out
-    # MaxText's config validation names its reason on a "Value error, ..." line.
-    errors = [ln.strip() for ln in lines if "Value error," in ln]
-    errors = errors or [ln for ln in lines if re.search(r"(Error|error:|Check failed)", ln)]
-    return {
-        "status": "failed",
-        "message": (errors[-1] if errors else (lines[-1] if lines else ""))[:600],
-    }
+    return out
 
 
 def compile_point(python: str, base: str, point: dict, args, cache: dict) -> dict:
