@@ -384,7 +384,7 @@ def _preset_base(presets: Mapping[str, Any], complete: bool = False):
     (`model`, `mesh`, `hardware`) or else config.yaml's defaults list: a mapping and the
     command line default alike. The schema alone where every setting is given anyway."""
     if complete and not presets:
-        return OmegaConf.structured(Config)
+        return _schema()
     for group, name in presets.items():
         if not isinstance(name, str) or not (conf_dir() / group / f"{name}.yaml").is_file():
             options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
@@ -399,6 +399,12 @@ def _preset_base(presets: Mapping[str, Any], complete: bool = False):
                 ]
             )
     return _composed(tuple(f"{group}={name}" for group, name in presets.items()))
+
+
+@functools.cache
+def _schema() -> DictConfig:
+    # Cached as _composed is (building it costs ~10 ms; merges copy it).
+    return OmegaConf.structured(Config)
 
 
 @functools.lru_cache(maxsize=32)
