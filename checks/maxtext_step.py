@@ -44,10 +44,7 @@ FIELDS = {
 }
 # Topology names count TensorCores: two a chip on v4 and v5p, one on v5e and v6e.
 CORES_A_CHIP = {"v5p": 2, "v4": 2, "v5e": 1, "v6e": 1}
-EXTRA = (
-    'the maxtext extra (Python >= 3.12): pip install "moe-cp[maxtext]", then MaxText '
-    "0.2.5 without its own pins: pip install --no-deps maxtext==0.2.5"
-)
+EXTRA = 'the maxtext extra (Python >= 3.12, with jax 0.12): pip install "moe-cp[maxtext,tpu]"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,20 +148,15 @@ def maxtext_command(path: str, overrides: Sequence[str], config: Config, plan) -
     raw, _, _ = load_chain(config_path)
     given = parse_overrides(overrides)
     read = set(raw) | ({"model_name"} if given.get("model_name") else set())
-    target, set_here = topology(config), ("compile_topology", "compile_topology_num_slices")
-    keep = [
-        o
-        for o in overrides
-        if o.split("=", 1)[0] in read and o.split("=", 1)[0] not in (*set_here, "sparse_matmul")
-    ]
+    name, slices = topology(config)
     sparse = plan is None or plan.strategy in (Dispatch.megablox, Dispatch.mlp)
-    return [
-        str(config_path),
-        *keep,
-        f"compile_topology={target[0]}",
-        f"compile_topology_num_slices={target[1]}",
-        f"sparse_matmul={'true' if sparse else 'false'}",
-    ]
+    written_here = {
+        "compile_topology": name,
+        "compile_topology_num_slices": slices,
+        "sparse_matmul": "true" if sparse else "false",
+    }
+    keep = [o for o in overrides if (key := o.split("=", 1)[0]) in read and key not in written_here]
+    return [str(config_path), *keep, *(f"{k}={v}" for k, v in written_here.items())]
 
 
 def findings_of(step: MaxTextStep, config: Config, estimate_bytes: float | None) -> list[Finding]:

@@ -197,12 +197,12 @@ def plan_at_shape(held: HeldPlan, batch: int, seq: int) -> DispatchPlan:
     built = held.plan
     config = held.config
     devices = built.mesh.num_devices
+    shaped = built.shaped_config(batch, seq)
     found, findings = built.at_shape(batch, seq)
-    shaped_len = config.max_target_length if config.mode.value == "decode" else seq
     reading = (
         f"{batch} sequences over {devices} devices (per_device_batch_size="
-        f"{batch / devices:g}) of {seq} tokens (max_target_length={shaped_len}, "
-        f"mode={config.mode.value}), which the selector refuses for the block's "
+        f"{shaped.per_device_batch_size:g}) of {seq} tokens (max_target_length="
+        f"{shaped.max_target_length}, mode={config.mode.value}), which the selector refuses for the block's "
         f"{built.strategy.value} dispatch on this mesh. Give an input the findings allow: "
         f"a batch of per_device_batch_size x {devices} sequences of max_target_length tokens."
     )

@@ -219,8 +219,6 @@ def analysed(config):
     """(plan, findings, compile or measure check, or None): compiled candidates when
     `compile=true`, timed ones when `measure=true`. A compiler plugin that is missing is
     unusable input (exit 2, naming the extra), and so is a run that fails."""
-    progress = _progress
-
     if config.measure or config.compile:
         quiet_jax_start()  # before the modes start jax (and its compiler plugins)
     if config.measure:
@@ -231,12 +229,14 @@ def analysed(config):
             mesh, _ = build_mesh_view(config, None)
             prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
         doing = "time the candidates on this machine"
-        return _or_usage("measure", doing, lambda: check_mode("measure")(config, progress=progress))
+        return _or_usage(
+            "measure", doing, lambda: check_mode("measure")(config, progress=_progress)
+        )
     if not config.compile:
         plan, findings = analyse_any(config)
         return plan, findings, None
     doing = f"compile for {config.hardware.name}"
-    return _or_usage("compile", doing, lambda: check_mode("compile")(config, progress=progress))
+    return _or_usage("compile", doing, lambda: check_mode("compile")(config, progress=_progress))
 
 
 def _or_usage(flag: str, doing: str, run):

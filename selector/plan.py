@@ -100,14 +100,14 @@ class DispatchPlan:
         """The candidate for one (dispatch, exchange) pair."""
         return next(c for c in self.candidates if (c.strategy, c.exchange) == (strategy, exchange))
 
-    def at_shape(self, batch: int, seq: int) -> tuple[DispatchPlan | None, list[Finding]]:
-        """(plan or None, findings) for a global (batch, seq) input to the block this plan
-        built: the same strategy and exchange (the parameters rest where this placement
-        put them, and a block that switched dispatch with the batch would compute
-        differently on the same weights), with the per-device numbers and findings at
-        that shape. The local-batch rule is waived: it guards how a launch sizes
-        per_device_batch_size against the mesh, while a layer takes the batch it is given.
-        At decode a step is one new token, and the context length still sizes it."""
+    def shaped_config(self, batch: int, seq: int) -> Config:
+        """The config this plan was resolved from, for a global (batch, seq) input to the
+        block it built: the same strategy and exchange (the parameters rest where this
+        placement put them, and a block that switched dispatch with the batch would
+        compute differently on the same weights). The local-batch rule is waived: it
+        guards how a launch sizes per_device_batch_size against the mesh, while a layer
+        takes the batch it is given. At decode a step is one new token, and the context
+        length (max_target_length) still sizes it."""
         if self.config is None:
             raise ValueError(
                 "This DispatchPlan carries no config (it was not built by selector.analyse "
@@ -115,14 +115,18 @@ class DispatchPlan:
                 "Build it with selector.resolve(cfg, mesh)."
             )
         decode = self.config.mode is Mode.decode
-        shaped = self.config.replace(
+        return self.config.replace(
             per_device_batch_size=batch / self.mesh.num_devices,
             max_target_length=self.config.max_target_length if decode else seq,
             dispatch=self.strategy,
             expert_exchange=self.placement.exchange,
             allow_local_batch_inflation=True,
         )
-        return analyse(shaped, self.live_shape)
+
+    def at_shape(self, batch: int, seq: int) -> tuple[DispatchPlan | None, list[Finding]]:
+        """(plan or None, findings) of `shaped_config(batch, seq)`: this plan's strategy
+        and placement with the per-device numbers and findings at that input shape."""
+        return analyse(self.shaped_config(batch, seq), self.live_shape)
 
     def as_dict(self) -> dict:
         return {
