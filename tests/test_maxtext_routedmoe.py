@@ -38,49 +38,65 @@ _DEEPSEEK_ROUTING = tuple(o for o in ROUTINGS["deepseek_v3"] if not o.startswith
 DEEPSEEK_V3 = (("decoder_block=deepseek", *_DEEPSEEK_ROUTING), _DEEPSEEK_ROUTING)
 
 
-def maxtext_block(*overrides: str):
-    """MaxText's RoutedMoE on its own (data=8) mesh of the 8 CPU devices."""
-    from flax import nnx
+def maxtext_config(run_name: str, *settings: str):
+    """MaxText's config: its own base.yml under `settings`, for a run that writes nothing
+    (no checkpoints, no distributed system) and leaves JAX's persistent compilation cache
+    off (base.yml's is ~/jax_cache: entries written for abstract TPU/GPU devices by later
+    tests in this process fail to load)."""
     from maxtext.configs import pyconfig
-    from maxtext.layers import initializers, moe
-    from maxtext.utils import maxtext_utils
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    cfg = pyconfig.initialize(
+    return pyconfig.initialize(
         [
             None,
             base,
-            "run_name=moe_cp_parity",
+            f"run_name={run_name}",
             f"base_output_directory={tempfile.gettempdir()}/moe_cp_maxtext_output",
             "enable_checkpointing=false",
             "skip_jax_distributed_system=true",
-            # No persistent compilation cache (base.yml's is ~/jax_cache): entries written
-            # for abstract TPU/GPU devices by later tests in this process fail to load.
             "jax_cache_dir=",
-            "hardware=cpu",
-            "ici_data_parallelism=8",
-            f"base_emb_dim={EMB}",
-            f"base_mlp_dim={HIDDEN}",
-            f"base_moe_mlp_dim={HIDDEN}",
-            "dtype=float32",
-            "weight_dtype=float32",
-            "per_device_batch_size=1",
-            f"max_target_length={SEQ}",
-            *overrides,
+            *settings,
         ]
     )
-    mesh = maxtext_utils.get_mesh_from_config(cfg)
-    block = moe.RoutedMoE(
+
+
+def routed_moe(cfg, mesh, hidden: int, **dtypes):
+    """MaxText's RoutedMoE as its decoder builds it, for `cfg` on `mesh`."""
+    from flax import nnx
+    from maxtext.layers import initializers, moe
+
+    return moe.RoutedMoE(
         config=cfg,
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
         mesh=mesh,
         kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
         kernel_axes=("embed", None),
-        intermediate_dim=HIDDEN,
+        intermediate_dim=hidden,
         rngs=nnx.Rngs(0),
+        **dtypes,
     )
-    return block, mesh
+
+
+def maxtext_block(*overrides: str):
+    """MaxText's RoutedMoE on its own (data=8) mesh of the 8 CPU devices."""
+    from maxtext.utils import maxtext_utils
+
+    cfg = maxtext_config(
+        "moe_cp_parity",
+        "hardware=cpu",
+        "ici_data_parallelism=8",
+        f"base_emb_dim={EMB}",
+        f"base_mlp_dim={HIDDEN}",
+        f"base_moe_mlp_dim={HIDDEN}",
+        "dtype=float32",
+        "weight_dtype=float32",
+        "per_device_batch_size=1",
+        f"max_target_length={SEQ}",
+        *overrides,
+    )
+    mesh = maxtext_utils.get_mesh_from_config(cfg)
+    return routed_moe(cfg, mesh, HIDDEN), mesh
 
 
 def maxtext_tree(block) -> dict:
@@ -230,51 +246,29 @@ def maxtext_v5p_program(devices, options):
     from flax.core.spmd import logical_axis_rules
     from flax.linen import logical_to_mesh_axes
     from jax.sharding import NamedSharding
-    from maxtext.configs import pyconfig
-    from maxtext.layers import initializers, moe
     from maxtext.utils import maxtext_utils, sharding
 
-    base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    cfg = pyconfig.initialize(
-        [
-            None,
-            base,
-            "run_name=moe_cp_memory",
-            f"base_output_directory={tempfile.gettempdir()}/moe_cp_maxtext_output",
-            "enable_checkpointing=false",
-            "skip_jax_distributed_system=true",
-            "jax_cache_dir=",  # leave the persistent cache alone (see compile_train_like)
-            "hardware=tpu",
-            *V5P_MESH,
-            f"base_emb_dim={V5P_EMB}",
-            f"base_mlp_dim={V5P_HIDDEN}",
-            f"base_moe_mlp_dim={V5P_HIDDEN}",
-            f"num_experts={V5P_EXPERTS}",
-            f"num_experts_per_tok={V5P_TOP_K}",
-            "sparse_matmul=true",
-            "megablox=true",
-            "load_balance_loss_weight=0.01",  # a balance loss, as ours computes
-            "dtype=bfloat16",
-            "weight_dtype=bfloat16",
-            f"per_device_batch_size={V5P_BATCH / 8}",
-            f"max_target_length={V5P_SEQ}",
-        ]
+    cfg = maxtext_config(
+        "moe_cp_memory",
+        "hardware=tpu",
+        *V5P_MESH,
+        f"base_emb_dim={V5P_EMB}",
+        f"base_mlp_dim={V5P_HIDDEN}",
+        f"base_moe_mlp_dim={V5P_HIDDEN}",
+        f"num_experts={V5P_EXPERTS}",
+        f"num_experts_per_tok={V5P_TOP_K}",
+        "sparse_matmul=true",
+        "megablox=true",
+        "load_balance_loss_weight=0.01",  # a balance loss, as ours computes
+        "dtype=bfloat16",
+        "weight_dtype=bfloat16",
+        f"per_device_batch_size={V5P_BATCH / 8}",
+        f"max_target_length={V5P_SEQ}",
     )
     mesh = maxtext_utils.get_mesh_from_config(cfg, devices)
     with logical_axis_rules(cfg.logical_axis_rules):
         block = nnx.eval_shape(
-            lambda: moe.RoutedMoE(
-                config=cfg,
-                num_experts=cfg.num_experts,
-                num_experts_per_tok=cfg.num_experts_per_tok,
-                mesh=mesh,
-                kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
-                kernel_axes=("embed", None),
-                intermediate_dim=V5P_HIDDEN,
-                weight_dtype=jnp.bfloat16,
-                dtype=jnp.bfloat16,
-                rngs=nnx.Rngs(0),
-            )
+            lambda: routed_moe(cfg, mesh, V5P_HIDDEN, weight_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
         )
         graph, params, rest = nnx.split(block, nnx.Param, ...)
         # MaxText's own resolution of each parameter's logical axes (its train state's).
