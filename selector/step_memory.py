@@ -22,7 +22,10 @@ training (or serving) step of the whole decoder holds, from shapes and dtypes al
   (the MoE block's program from `cost`, or a dense SwiGLU's).
 
 Attention is counted as a flash kernel computes it (no sequence x sequence scores), as
-MaxText runs it on TPU and GPU. Nothing here is fitted: no coefficient is read.
+MaxText runs it on TPU and GPU. Qwen3-Next's Gated DeltaNet layers are counted from the
+arrays MaxText's chunked delta rule keeps for its backward (`gdn_bytes_per_token`); a
+layer's attention peak is the larger of the two kinds'. Nothing here is fitted: no
+coefficient is read.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 from .architecture import (
     attention_params,
+    gated_delta_net_params,
     is_full_attention,
     is_moe_layer,
     is_qwen3_next,
@@ -69,6 +73,9 @@ REMAT_BY_MEMORY = (
     "minimal_with_context",
 )
 LOGIT_BYTES = 4  # MaxText computes the logits and the loss in float32
+# MaxText 0.2.5's base.yml gdn_chunk_size: the Gated DeltaNet's chunk of tokens (read
+# from the config when it carries the key).
+GDN_CHUNK_SIZE = 64
 # The parts of `StepMemory.breakdown`, in the order reports show them.
 STEP_PARTS = (
     "weights",
@@ -177,20 +184,89 @@ def layer_working_set(weights: float, activations: float, xb: int, train: bool) 
     return weights * (xb + 4) + 2 * activations
 
 
+def gdn_bytes_per_token(cfg: Config, cp: int, train: bool) -> float:
+    """Bytes a token of one Gated DeltaNet layer holds at the layer's peak, all heads
+    (the caller splits them over the hidden axes).
+
+    Training: the layer is rematerialised (remat_policy=full keeps only its input), so
+    its backward first recomputes the forward and holds what JAX saves for the
+    backward. Counted from MaxText 0.2.5's models/qwen3.py (Qwen3NextGatedDeltaNet.
+    __call__ and jax_chunk_gated_delta_rule) and layers/normalizations.py
+    (Qwen3NextRMSNormGated, RMSNorm), and checked against the residual list
+    `jax.ad_checkpoint.saved_residuals` gives for them: each value once (a reshape,
+    squeeze or transpose of a counted value is that value), leaving out the constant
+    masks and arrays of a head or less a token (gates, decays, norm statistics).
+    Added: the cotangents the chunk scan's backward emits (of its w, u, q, k inputs)
+    and takes (of its float32 output), which live while the saved arrays do. Not
+    counted: padding of the 64-wide chunk dimension to TPU tiles (more bytes), nor
+    XLA fusing a saved elementwise value into its consumer instead (fewer).
+
+    Serving runs the forward alone: counted at the chunk scan, where the layer's
+    input, the gate z, the scan's inputs and its float32 output are live."""
+    xb, f32 = DTYPE_BYTES.get(cfg.dtype, 4), 4
+    chunk = getattr(cfg, "gdn_chunk_size", GDN_CHUNK_SIZE)
+    hv, dk, dv = cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+    k = cfg.gdn_num_key_heads * dk  # queries or keys as projected
+    v = hv * dv  # values, the gate z, the core output
+    kr = hv * dk  # queries or keys repeated to the value heads (jnp.repeat)
+    conv = 2 * k + v  # the convolved queries, keys and values
+    hc = hv * chunk  # a chunk's C x C matrices: a row of C a head, per token
+    state = hv * dk * dv / chunk  # a chunk's Dk x Dv state a head, per token
+    emb = cfg.base_emb_dim
+    if not train:
+        # scan inputs w, u, q, k (compute dtype); its output o_chunks (float32); z.
+        return xb * (emb + 3 * kr + v + v) + f32 * v
+    # Qwen3NextGatedDeltaNet.__call__: in_proj_qkvz's input; conv1d's input (the
+    # padded concatenation of q, k, v); its output in float32 and silu's two saved
+    # values; the repeated query and key the delta rule's l2norm reads.
+    call = xb * emb + xb * conv + 3 * f32 * conv + 2 * xb * kr
+    # Qwen3NextRMSNormGated over the core output: RMSNorm's float32 input, its square's
+    # derivative (2x) and normalised output, the scaled output; the gate z in float32
+    # and silu's two saved values; then out_proj's input (compute dtype).
+    call += 6 * f32 * v + xb * v
+    # jax_chunk_gated_delta_rule, stage 2 (before the scan): the chunked normalised
+    # keys and k_beta; v_c; S = k_beta k^T in float32, the masked decay differences,
+    # their exp and the masked S; solve_triangular's three (I + S, its lower triangle
+    # and the inverse A); v_beta and k_beta in float32, and k_beta * exp(g_cumsum).
+    pre = 2 * xb * kr + xb * v + 7 * f32 * hc + f32 * v + 2 * f32 * kr
+    # Stage 3, scan_body, each stacked over the chunks: q in float32, q_g, w in
+    # float32, k in float32 and k_i_g_diff; q and k (compute dtype) for the
+    # intra-chunk q k^T; attn, exp(g_diff) and attn_i (C x C); v_new; the state h.
+    scan = 5 * f32 * kr + 2 * xb * kr + 3 * f32 * hc + f32 * v + f32 * state
+    # The scan's backward: cotangents of w, u, q, k (compute dtype) and of o_chunks.
+    cot = xb * (3 * kr + v) + f32 * v
+    total = call + pre + scan + cot
+    if cp > 1:
+        # kernels/attention/gdn_cp.py, compose_local: its checkpointed scan body keeps
+        # the carried affine map (A: Dk x Dk, B: Dk x Dv, float32) and its inputs w,
+        # k, u for every chunk. (incoming_state's log2(cp) exchanged pairs are a few
+        # Dk x Dk matrices a head, per layer, not per token: left out.)
+        total += f32 * hv * dk * (dk + dv) / chunk + xb * (2 * kr + v)
+    return total
+
+
 def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
-    """One layer's attention working set: its weights gathered in the compute dtype
-    (and their float32 gradient before the reduce-scatter, training); queries and
-    output for the device's tokens, keys and values for every sequence shard's tokens
-    (context parallelism all-gathers them); their cotangents when training."""
+    """One layer's attention working set, the larger over the attention kinds the
+    decoder has. Full attention: its weights gathered in the compute dtype (and their
+    float32 gradient before the reduce-scatter, training); queries and output for the
+    device's tokens, keys and values for every sequence shard's tokens (context
+    parallelism all-gathers them); their cotangents when training. Gated DeltaNet: its
+    weights likewise, and `gdn_bytes_per_token` for the device's tokens (its sequence
+    stays sharded)."""
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
     hidden = mesh.product(mesh.hidden_axes)
     layers = range(cfg.base_num_decoder_layers)
-    weights = max((attention_params(cfg, i) for i in layers), default=0) / hidden
-    full = next((i for i in layers if is_full_attention(cfg, i)), 0)
-    named = named_activations(cfg, full)
+    full = [i for i in layers if is_full_attention(cfg, i)]
+    weights = max((attention_params(cfg, i) for i in full or [0]), default=0) / hidden
+    named = named_activations(cfg, full[0] if full else 0)
     q = named.get("query_proj", 0) + named.get("context", 0) + cfg.base_emb_dim
     kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * mesh.cp
-    return layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
+    peak = layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
+    if len(full) < cfg.base_num_decoder_layers:  # Gated DeltaNet layers
+        gdn = layer_working_set(gated_delta_net_params(cfg) / hidden, 0.0, xb, train)
+        gdn += tokens * gdn_bytes_per_token(cfg, mesh.cp, train) / hidden
+        peak = max(peak, gdn)
+    return peak
 
 
 def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:

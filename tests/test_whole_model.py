@@ -203,16 +203,16 @@ def test_unknown_attention_type_and_bad_sizes_are_refused():
 
 
 def test_saving_less_is_offered_when_saved_activations_push_past_the_chip():
-    """Mixtral on 8 H200s with remat_policy=minimal at 65,536 tokens a device: the
-    saved projections (56 GiB) push the step past 141 GiB; recomputing every layer
-    (remat_policy=full, 16 GiB saved) is a verified fix."""
+    """Mixtral on 8 H200s with remat_policy=minimal at 81,920 tokens a device: the
+    saved projections (70 GiB) push the step past 141 GiB; recomputing every layer
+    (remat_policy=full, 20 GiB saved) is a verified fix."""
     cfg = selector.to_config(
         selector.compose(
             [
                 "model=mixtral_8x7b",
                 "mesh=h200_8",
                 "remat_policy=minimal",
-                "per_device_batch_size=8",
+                "per_device_batch_size=10",
                 "max_target_length=8192",
                 "param_dtype=bfloat16",
             ]
@@ -272,3 +272,38 @@ def test_layer_weights_stored_in_float32_are_held_again_in_the_compute_dtype():
     assert cast == pytest.approx(layers * 2 / 8, rel=1e-9)
     plan, _ = analyse(selector.to_config(selector.compose([*over, "param_dtype=bfloat16"])))
     assert plan.chosen_estimate.device_breakdown["weights_cast"] == 0
+
+
+@pytest.mark.parametrize("cp", [1, 4])
+def test_qwen3_next_gated_deltanet_working_set_counted_by_hand(cp):
+    """Qwen3-Next on 64 v5p chips, one 4,096-token sequence a device (cp=4: four 1,024-
+    token shards), bf16 compute: the step's attention peak is the Gated DeltaNet layer's
+    backward, counted by hand from the preset's shapes (16 key heads and 32 value heads
+    of 128, chunks of 64) and MaxText 0.2.5's models/qwen3.py: its weights in bf16 and
+    their float32 gradient, and per token what the recomputed forward keeps for the
+    backward plus the chunk scan's cotangents."""
+    over = ["model=qwen3_next_80b_a3b", "hardware=v5p", "num_devices=64"]
+    over += ["per_device_batch_size=1", "max_target_length=4096"]
+    over += [f"ici_context_parallelism={cp}", f"ici_fsdp_parallelism={64 // cp}"]
+    over += ["context_parallel_load_balance=false"]
+    plan, _ = analyse(selector.to_config(selector.compose(over)))
+    tokens = 4096
+    weights = 2048 * 12288 + 2048 * 64 + 8192 * 4 + 64 + 128 + 4096 * 2048
+    # Qwen3NextGatedDeltaNet.__call__: in_proj input (2048), conv1d's input (8192 =
+    # 2 x 2048 + 4096), its float32 output and silu's two, the repeated q and k (2 x
+    # 32 x 128); the gated norm's six float32 values over 4,096 and out_proj's input.
+    call = 2 * 2048 + 2 * 8192 + 3 * 4 * 8192 + 2 * 2 * 4096 + 6 * 4 * 4096 + 2 * 4096
+    # Before the chunk scan: k_c and k_beta, v_c (bf16); seven float32 64 x 64 matrices
+    # a chunk (32 heads x 64 a token); v_beta, k_beta and k_beta * exp(g) in float32.
+    pre = 2 * 2 * 4096 + 2 * 4096 + 7 * 4 * 32 * 64 + 4 * 4096 + 2 * 4 * 4096
+    # Stacked by the scan: five float32 and two bf16 (32 x 128)s, three float32 64 x 64
+    # matrices, v_new, and the 32 x 128 x 128 float32 state of each 64-token chunk.
+    scan = 5 * 4 * 4096 + 2 * 2 * 4096 + 3 * 4 * 32 * 64 + 4 * 4096
+    scan += 4 * 32 * 128 * 128 / 64
+    cotangents = 2 * (3 * 4096 + 4096) + 4 * 4096
+    per_token = call + pre + scan + cotangents
+    if cp > 1:  # gdn_cp.compose_local: the carried (A, B) pair and w, k, u per chunk
+        per_token += 4 * 32 * 128 * (128 + 128) / 64 + 2 * (2 * 4096 + 4096)
+    gdn = weights * (2 + 4) + tokens * per_token
+    parts = plan.chosen_estimate.device_breakdown
+    assert parts["attention_peak"] == pytest.approx(gdn, rel=1e-12)
