@@ -1,34 +1,28 @@
-"""Fit the selector's memory model per compiler on compiled programs, and check it on
-shapes and meshes the fit never saw.
+"""The selector's counted memory model on small compiled programs, per compiler.
 
 For each point (a dispatch, an exchange, a mesh of up to 8 devices, a shape, a dtype
 pair, a mode) the block is compiled for the target's chips (`--target tpu`: XLA:TPU
 for v5p chips through libtpu; `gpu`: XLA:GPU for H100s through JAX's CUDA plugin;
 `cpu`: XLA:CPU on 8 simulated devices; TPU and GPU ahead of time, nothing runs) and
-XLA's per-device temp bytes are set beside the selector's hand counts of the
-temporaries (`memory_parts`). Training compiles fwd+bwd, prefill and decode the
-forward. The fit gives each (compiler family, mode, dispatch and exchange)
-non-negative coefficients on those parts, minimising the relative error; the held-out
-points (other shapes, E, k, capacity factors and meshes, fixed here before any fit)
-report the fitted model's error per key, and leaving each fit shape out of the fit in
-turn reports the error on shapes the fit did not see from the fit points alone.
-Arguments and outputs need no fit: they are
-checked as they are. Beside the memory, XLA's cost analysis (FLOPs, bytes accessed)
-is set against the selector's FLOP and HBM terms.
+XLA's per-device temp bytes are set beside the selector's count of what the program
+holds (`selector.memory_model`; nothing is fitted). Training compiles fwd+bwd, prefill
+and decode the forward. The points are the small shapes the old fitted model was built
+on plus the held-out ones fixed beside them; the real layers that judge the model are
+in bench.memory_holdout. Arguments and outputs are checked as they are. Beside the
+memory, XLA's cost analysis (FLOPs, bytes accessed) is set against the selector's FLOP
+and HBM terms (bench.decide --from-counts reads these rows).
 
-    python -m bench.calibrate --target tpu --write   # fit; write the tpu coefficients
+    python -m bench.calibrate --target tpu            # compile; the count's errors
+    python -m bench.calibrate --target tpu --rejudge  # the count again, nothing compiled
 
-Writes bench/results/calibrate_<target>.json and .png (predicted against compiled
-temp, one panel per mode); with --write also the family's coefficients in
-selector/memory_calibration.json. --refit fits again from the JSON; --only TEXT
-compiles again just the points whose label holds TEXT (and any the JSON lacks).
+Writes bench/results/calibrate_<target>.json and .png (counted against compiled temp,
+one panel per mode). --only TEXT compiles again just the points whose label holds TEXT
+(and any the JSON lacks).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 
 from bench.common import use_cpu_devices
@@ -52,12 +46,9 @@ from bench.common import (  # noqa: E402
     table,
 )
 from bench.points import Point, measure, predicted  # noqa: E402
-from selector.cost import CALIBRATION_FILE, MEMORY_CALIBRATION, PARTS  # noqa: E402
-from selector.memory_model import FAMILIES  # noqa: E402
 
 # The chips each target compiles for (one family of coefficients each; cpu has two).
 TARGETS = {"cpu": "cpu", "tpu": "v5p", "gpu": "h100"}
-TARGET_FAMILIES = {"cpu": ("cpu", "cpu_half"), "tpu": ("tpu",), "gpu": ("gpu",)}
 MODES = ("train", "prefill", "decode")
 PROGRAMS = ("dense", "megablox", "megablox_exchanged", "subgroup_capacity")
 
@@ -183,47 +174,10 @@ def selected(points: list[Point]) -> list[Point]:
     return [p for p in points if p.mode in SELECTED_MODES]
 
 
-def provisional_calibration(target: str) -> None:
-    """Zero coefficients, in this process only, for keys the target has not been fitted
-    for yet: a point's hand counts need a plan, and a plan prices every candidate. The
-    points force their dispatch and exchange, so no choice depends on them."""
-    for family in TARGET_FAMILIES[target]:
-        for mode in MODES:
-            for program in PROGRAMS:
-                MEMORY_CALIBRATION.setdefault(
-                    f"{family} {mode} {program}", dict.fromkeys(PARTS, 0.0)
-                )
-
-
-def fit(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per key, non-negative coefficients on the parts, minimising relative error (a
-    part whose coefficient fits negative is dropped and the fit repeated)."""
-    fitted = {}
-    for key in sorted({r["key"] for r in rows}):
-        pts = [r for r in rows if r["key"] == key]
-        measured = np.array([r["temp"] for r in pts], float)
-        names = [p for p in PARTS if any(r["parts"][p] for r in pts)]
-        while True:
-            design = np.array([[r["parts"][p] for p in names] for r in pts], float)
-            design /= measured[:, None]
-            coef, *_ = np.linalg.lstsq(design, np.ones(len(pts)), rcond=None)
-            if (coef >= 0).all() or len(names) == 1:
-                break
-            names.pop(int(np.argmin(coef)))
-        fitted[key] = {
-            p: round(float(dict(zip(names, coef, strict=True)).get(p, 0.0)), 4) for p in PARTS
-        }
-    return fitted
-
-
-def predict(row: dict, calibration: dict) -> float:
-    return sum(calibration[row["key"]][p] * row["parts"][p] for p in PARTS)
-
-
-def errors(rows: list[dict], calibration: dict) -> list[dict]:
+def errors(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        pred = predict(r, calibration)
+        pred = r["predicted_temp"]
         out.append(
             {
                 "point": r["point"],
@@ -237,30 +191,6 @@ def errors(rows: list[dict], calibration: dict) -> list[dict]:
             }
         )
     return out
-
-
-_SHAPE = re.compile(r"seq=\d+(?: x\d+)? M=\d+ H=\d+ E=\d+ k=\d+")
-
-
-def left_out_shapes(rows: list[dict]) -> list[dict]:
-    """Leave one shape out: each fit shape's points predicted by a fit on the other
-    shapes' points. How the model does on shapes it did not see, from the fit points
-    alone (the held-out points stay unused), with every program's coefficients refitted
-    each time; a program none of whose other shapes remain is skipped."""
-
-    shapes = [_SHAPE.search(r["point"]).group(0) for r in rows]
-    errs = []
-    for left_out in sorted(set(shapes)):
-        calibration = fit([r for r, s in zip(rows, shapes, strict=True) if s != left_out])
-        errs += errors(
-            [
-                r
-                for r, s in zip(rows, shapes, strict=True)
-                if s == left_out and r["key"] in calibration
-            ],
-            calibration,
-        )
-    return errs
 
 
 def summary(errs: list[dict]) -> list[dict]:
@@ -311,8 +241,8 @@ def cost_summary(rows: list[dict]) -> list[dict]:
 
 
 def plot(payload: dict):
-    """Predicted against compiled temp: one panel per mode, one colour per program,
-    filled circles fitted, crosses held out."""
+    """Counted against compiled temp: one panel per mode, one colour per program,
+    filled circles the small points, crosses the held-out small points."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(MODES), figsize=(13, 4.4))
     colours = dict(zip(PROGRAMS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
@@ -323,7 +253,7 @@ def plot(payload: dict):
             ax.set_visible(False)
             continue
         for _, errs, marker in (
-            ("fit", payload["fit_errors"], "o"),
+            ("small", payload["fit_errors"], "o"),
             ("held out", payload["holdout_errors"], "x"),
         ):
             for program, colour in colours.items():
@@ -338,20 +268,20 @@ def plot(payload: dict):
                 )
         lo = min(e["temp_mib"] for e in pts)
         hi = max(e["temp_mib"] for e in pts)
-        for f, style in ((1.0, "-"), (1.15, ":"), (1 / 1.15, ":")):
+        for f, style in ((1.0, "-"), (1.2, ":"), (0.8, ":")):
             ax.plot([lo, hi], [lo * f, hi * f], style, color="gray", lw=0.8)
         ax.set(xscale="log", yscale="log", xlabel="compiled temp MiB per device", title=mode)
-    axes[0].set_ylabel("selector's temp MiB")
+    axes[0].set_ylabel("selector's counted temp MiB")
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=c, marker="o", ls="", label=p) for p, c in colours.items()]
     handles += [
-        Line2D([], [], color="gray", marker="o", ls="", label="fitted"),
+        Line2D([], [], color="gray", marker="o", ls="", label="small points"),
         Line2D([], [], color="gray", marker="x", ls="", label="held out"),
-        Line2D([], [], color="gray", ls=":", label="+-15%"),
+        Line2D([], [], color="gray", ls=":", label="+-20%"),
     ]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"memory model against {payload['compiler']}")
+    fig.suptitle(f"counted memory model against {payload['compiler']}")
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     return fig
 
@@ -366,23 +296,19 @@ COMPILERS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument(
-        "--target", choices=sorted(TARGETS), default="cpu", help="the compiler to fit"
+        "--target", choices=sorted(TARGETS), default="cpu", help="the compiler to compile for"
     )
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     parser.add_argument(
-        "--refit",
+        "--rejudge",
         action="store_true",
-        help="fit again from the measured rows in the JSON (the selector's side recomputed)",
-    )
-    parser.add_argument(
-        "--write", action="store_true", help="write the fit to selector/memory_calibration.json"
+        help="the selector's side again from the measured rows in the JSON (no compile)",
     )
     parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
-        help="comma-separated modes to fit (default: all); --write then replaces only "
-        "those modes' coefficients",
+        help="comma-separated modes to compile (default: all)",
     )
     args = parser.parse_args()
     global SELECTED_MODES  # noqa: PLW0603 - one run, one selection, read by the point lists
@@ -392,20 +318,23 @@ def main() -> None:
         payload = load(study)
         save(study, payload, plot(payload))
         return
-    provisional_calibration(args.target)
-    if args.refit:
+    if args.rejudge:
         stored = load(study)
         report(
             args.target,
             repredicted(selected(fit_points(args.target)), stored["rows"]),
             repredicted(selected(holdout_points(args.target)), stored["holdout_rows"]),
-            args.write,
         )
         return
     stored = load(study) if args.only else {}
     rows, held = [], []
     for name, points, sink, kept in (
-        ("fit", selected(fit_points(args.target)), rows, StoredRows(stored.get("rows"), args.only)),
+        (
+            "small",
+            selected(fit_points(args.target)),
+            rows,
+            StoredRows(stored.get("rows"), args.only),
+        ),
         (
             "held out",
             selected(holdout_points(args.target)),
@@ -420,43 +349,23 @@ def main() -> None:
                 f"  [{i + 1}/{len(points)}] {point.label()}: {sink[-1]['temp'] / 2**20:.1f} MiB",
                 flush=True,
             )
-    report(args.target, rows, held, args.write)
+    report(args.target, rows, held)
 
 
 def repredicted(points: list[Point], rows: list[dict]) -> list[dict]:
-    """The stored rows of `points` with the selector's side (hand counts, arguments,
+    """The stored rows of `points` with the selector's side (its count, arguments,
     outputs) computed again from each point's config: XLA's numbers are kept, so a new
     part or hand count needs no recompile."""
     stored = StoredRows(rows, only=None)
     return [{**stored.pop(p.label()), **predicted(p)} for p in points]
 
 
-def write_calibration(target: str, calibration: dict) -> None:
-    """Replace the target's families (the selected modes) in the calibration file, keep
-    the others."""
-    kept = {
-        k: v
-        for k, v in json.loads(CALIBRATION_FILE.read_text()).items()
-        if k.split()[0] not in TARGET_FAMILIES[target] or k.split()[1] not in SELECTED_MODES
-    }
-    merged = {**kept, **calibration}
-    assert {k.split()[0] for k in merged} <= set(FAMILIES)
-    CALIBRATION_FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    print("wrote", CALIBRATION_FILE)
-
-
-def report(target: str, rows: list[dict], held: list[dict], write: bool = False) -> None:
-    """Fit, print the calibration and the errors, write the JSON and PNG (and, with
-    `write`, the coefficients the selector loads)."""
-    calibration = fit(rows)
-    if write:
-        write_calibration(target, calibration)
-    fit_errs, hold_errs = errors(rows, calibration), errors(held, calibration)
-    print(f"\nmemory model fitted on {COMPILERS[target]}")
-    print("\nfit points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
-    print("\nheld-out points\n" + table(summary(hold_errs), CALIBRATION_COLUMNS))
-    left_out = summary(left_out_shapes(rows))
-    print("\nfit points, each shape left out of the fit\n" + table(left_out, CALIBRATION_COLUMNS))
+def report(target: str, rows: list[dict], held: list[dict]) -> None:
+    """Print the count's errors, write the JSON and PNG."""
+    fit_errs, hold_errs = errors(rows), errors(held)
+    print(f"\ncounted memory model on {COMPILERS[target]}")
+    print("\nsmall points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
+    print("\nheld-out small points\n" + table(summary(hold_errs), CALIBRATION_COLUMNS))
     worst_io = max(
         abs(e[k]) for e in fit_errs + hold_errs for k in ("arguments_error", "outputs_error")
     )
@@ -466,17 +375,14 @@ def report(target: str, rows: list[dict], held: list[dict], write: bool = False)
     payload = {
         "target": target,
         "compiler": COMPILERS[target],
-        "calibration": calibration,
         "fit_errors": fit_errs,
         "holdout_errors": hold_errs,
         "fit_summary": summary(fit_errs),
         "holdout_summary": summary(hold_errs),
-        "left_out_shape_summary": left_out,
         "cost_summary": costs,
         "arguments_outputs_worst_error": worst_io,
         "rows": rows,
         "holdout_rows": held,
-        "parts": list(PARTS),
     }
     print("\nwrote", *save(study_name(target), payload, plot(payload)))
 

@@ -134,7 +134,7 @@ def measure(point, hardware: str = "cpu") -> dict:
     from checks.measure_mode import timeable
     from checks.measured import time_candidates
     from selector.cost import program_of
-    from selector.memory_model import calibration_key
+    from selector.memory_model import program_key
 
     devices = jax.device_count() if LIVE else 8
     point = on_devices(point, devices)
@@ -155,7 +155,7 @@ def measure(point, hardware: str = "cpu") -> dict:
         candidates.append(
             {
                 "name": c.estimate.name,
-                "program": program_of(calibration_key(*key, config)),
+                "program": program_of(program_key(*key, config)),
                 "terms": {"compute": compute, "hbm": hbm, "network": network, "step": 1.0},
                 "estimated_s": c.estimate.time_s,
                 "times_s": times[key],

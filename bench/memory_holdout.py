@@ -51,7 +51,7 @@ COLUMNS = [
     ("temp_mib", "compiled temp MiB"),
     ("estimate_mib", "estimate MiB"),
     ("error", "error"),
-]
+]  # one row a program (the JSON's rows)
 
 
 def stack() -> str:
@@ -100,12 +100,14 @@ def key(chip, model, cp, exchange, mode) -> str:
     return f"{chip} {model} cp{cp} {exchange} {mode}"
 
 
-def estimate_temp(over: list[str]) -> float | None:
-    """The selector's temp for the program (bytes), or None when it plans no such one."""
+def estimate_temp(over: list[str], stack_name: str = "") -> float | None:
+    """The selector's temp for the program (bytes) as the compiler of `stack_name`'s jax
+    holds it (the jax installed here without one), or None when it plans no such one."""
     import selector
 
+    version = stack_name.split(",")[0].removeprefix("jax ").strip() or "auto"
     try:
-        plan = selector.resolve(selector.compose(over))
+        plan = selector.resolve(selector.compose([*over, f"hardware.jax_version={version}"]))
     except selector.ConfigError:
         return None
     return plan.chosen_estimate.memory.temp
@@ -170,7 +172,7 @@ def judge(payload: dict) -> list[dict]:
             got = compiled.get(key(*program))
             if not got or "temp_bytes" not in got:
                 continue
-            estimate = estimate_temp(overrides(*program))
+            estimate = estimate_temp(overrides(*program), name)
             if estimate is None:
                 continue
             chip, model, cp, exchange, mode = program
@@ -189,6 +191,34 @@ def judge(payload: dict) -> list[dict]:
                 }
             )
     return rows
+
+
+COMPACT_COLUMNS = [
+    ("chip", "chips"),
+    ("model", "model"),
+    ("cp", "cp"),
+    ("exchange", "weights"),
+    ("train_mib", "train: compiled MiB"),
+    ("train_estimate_mib", "counted MiB"),
+    ("train_error", "error"),
+    ("prefill_mib", "prefill: compiled MiB"),
+    ("prefill_estimate_mib", "counted MiB"),
+    ("prefill_error", "error"),
+]
+
+
+def compact(rows: list[dict], stack_name: str) -> list[dict]:
+    """One stack's rows with training and prefill side by side."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        if r["stack"] != stack_name:
+            continue
+        k = (r["chip"], r["model"], r["cp"], r["exchange"])
+        row = out.setdefault(k, dict(zip(("chip", "model", "cp", "exchange"), k, strict=True)))
+        row[f"{r['mode']}_mib"] = r["temp_mib"]
+        row[f"{r['mode']}_estimate_mib"] = r["estimate_mib"]
+        row[f"{r['mode']}_error"] = r["error"]
+    return list(out.values())
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -256,12 +286,19 @@ def main() -> None:
     payload = load()
     payload["rows"] = judge(payload)
     payload["summary"] = summary(payload["rows"])
-    print(table(payload["rows"], COLUMNS))
+    for name in sorted({r["stack"] for r in payload["rows"]}):
+        print(f"\n{name}\n")
+        print(table(compact(payload["rows"], name), COMPACT_COLUMNS))
     print(
         table(
             payload["summary"],
-            [("stack", "stack"), ("programs", "programs"), ("within", "within 20%"),
-             ("share", "share"), ("met", "met")],
+            [
+                ("stack", "stack"),
+                ("programs", "programs"),
+                ("within", "within 20%"),
+                ("share", "share"),
+                ("met", "met"),
+            ],
         )
     )
     print("wrote", *save(STUDY, payload, plot(payload)))

@@ -5,6 +5,7 @@ analysis beside the selector's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -13,7 +14,8 @@ import jax
 import selector
 from checks.compiled import compile_plan, read, target_of
 from selector.api import analyse_any
-from selector.cost import calibration_key, memory_parts, problem_shape
+from selector.cost import held_buffers, problem_shape, program_key
+from selector.memory_model import jax_release
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def planned(point: Point):
 
 def predicted(point: Point) -> dict:
     """The selector's numbers for the point, from its config and mesh shape alone (no
-    jax): arguments, outputs, temp, FLOPs and HBM bytes, and the hand counts behind temp."""
+    jax): arguments, outputs, temp, FLOPs and HBM bytes, and the count of what it holds."""
     return predicted_from(*planned(point))
 
 
@@ -105,14 +107,22 @@ def predicted_from(cfg, plan) -> dict:
     shape = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
     return {
         "name": est.name,
-        "key": calibration_key(plan.strategy, plan.placement.exchange, cfg),
+        "key": program_key(plan.strategy, plan.placement.exchange, cfg),
         "tokens_per_device": plan.per_device.tokens_per_device,
         "predicted_arguments": est.memory.arguments,
         "predicted_outputs": est.memory.outputs,
         "predicted_temp": est.memory.temp,
         "predicted_flops": est.flops,
         "predicted_hbm": est.traffic.hbm,
-        "parts": memory_parts(plan.strategy, plan.placement.exchange, shape),
+        "held": dataclasses.asdict(
+            held_buffers(
+                plan.strategy,
+                plan.placement.exchange,
+                shape,
+                cfg.hardware.platform,
+                jax_release(cfg.hardware.jax_version),
+            )
+        ),
     }
 
 

@@ -25,7 +25,7 @@ from selector.checked import Key, MeasureCheck, MeasuredCandidate
 from selector.config import Config, Dispatch, Exchange
 from selector.cost import Estimate, program_of
 from selector.findings import Finding, errors_in, warning
-from selector.memory_model import calibration_key
+from selector.memory_model import program_key
 from selector.plan import Candidate, DispatchPlan, analyse
 
 from .compile_mode import replan
@@ -120,7 +120,7 @@ def timeable(config: Config, key: Key) -> bool:
 
 def _program(config: Config, key: Key) -> str:
     strategy, exchange = key
-    return program_of(calibration_key(strategy, exchange or Exchange.gather, config))
+    return program_of(program_key(strategy, exchange or Exchange.gather, config))
 
 
 def _differs(plan: DispatchPlan, measured, first: Key, fastest: Key) -> Finding:

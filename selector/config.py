@@ -97,6 +97,10 @@ class Hardware:
     hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
+    # The jax release whose compiler the memory count follows (its XLA:GPU holds less
+    # in the gathered programs from 0.12 on): auto reads the jax installed here, the one
+    # compile=true compiles with, without importing it; or a version such as 0.10.2.
+    jax_version: str = "auto"
 
 
 @dataclass

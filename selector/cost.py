@@ -7,11 +7,11 @@ against `memory_analysis()`:
   block's input;
 - outputs: the weight gradients at rest and the input gradient (training), or the
   block's output;
-- temp: activation buffers, the compute-form copy of the weights (gathered, or cast
-  to the compute dtype), gradient accumulators and exchange buffers. Hand counts of
-  these parts are scaled by coefficients fitted to XLA's compiled programs
-  (`python -m bench.calibrate`, which prints `MEMORY_CALIBRATION` and its held-out
-  error per strategy).
+- temp: what the program holds at its peak, counted (selector.memory_model): the
+  compute copy of the weights (gathered, or cast to the compute dtype), the weight
+  gradients before they leave the block, and the activations and exchange buffers;
+  one constant per compiler, no coefficient per program (`python -m
+  bench.memory_holdout --judge` sets the count against compiled real layers).
 
 Beside the one block, `state_bytes` is what every MoE layer of the model holds at rest
 on a device: weights, gradients and optimizer state (`optimizer_bytes_per_param`).
@@ -25,7 +25,7 @@ that hold the same weight shard.
 
 XLA:CPU converts part of a bfloat16 program to float32 (seen in the compiled programs:
 bf16 weights are all-gathered and multiplied as f32, while many activations stay bf16),
-so half precision on `platform=cpu` has its own fitted coefficients.
+so the weights' compute copy is counted at 4 bytes there.
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ from dataclasses import asdict, dataclass
 from . import time_calibration
 from .config import Config, Dispatch, Exchange
 from .memory_model import (
-    CALIBRATION_FILE,
-    MEMORY_CALIBRATION,
-    PARTS,
-    activation_parts,
-    calibration_key,
-    memory_parts,
-    temp_from_parts,
+    ROUTER_BYTES,
+    HeldBuffers,
+    held_buffers,
+    jax_release,
+    program_key,
+    temp_bytes,
 )
 from .mesh import MeshView
 from .per_device import PerDevice
@@ -208,7 +207,7 @@ def weight_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
 
 
 def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
-    """The block's program by XLA's categories, around its (fitted) temporaries."""
+    """The block's program by XLA's categories, around its (counted) temporaries."""
     x = p.T * p.M * p.xb
     outputs = weights_rest + x if p.train else x
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)
@@ -229,6 +228,27 @@ def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
     return hit * per_expert * p.passes + shared
 
 
+def activation_traffic(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
+    """Bytes of activations one forward pass writes to HBM (each is read once more):
+    the rows into the experts, their two hidden products and the product of them, the
+    rows out; the router's float32 probabilities, the shared experts' hidden products
+    and the block's output. Exchanged rows are packed into the send buffers and
+    received once more each way. Counted from the dispatch's arrays, not from what the
+    program holds at its peak (one round of the exchange's buffers is live at a time;
+    every round's rows move)."""
+    out = p.T * p.M * p.xb + p.T * 3 * p.Hs * p.xb
+    if strategy is Dispatch.mlp:
+        return p.T * (3 * p.H) * p.xb + out
+    out += p.T * p.E * ROUTER_BYTES
+    if strategy is Dispatch.megablox:
+        routed = p.T * p.k
+        moved = 2 * routed * p.M * p.xb if exchange is Exchange.all_to_all else 0.0
+        return routed * (2 * p.M + 3 * p.H) * p.xb + moved + out
+    if strategy is Dispatch.dense:
+        return p.T * p.E_c * (3 * p.H + p.M) * p.xb + out
+    return p.G * p.E * p.C * (2 * p.M + 3 * p.H) * p.xb + out  # subgroup_capacity
+
+
 def traffic(
     strategy: Dispatch,
     exchange: Exchange,
@@ -239,7 +259,8 @@ def traffic(
 ):
     """Bytes a device moves per step, each collective's split between the links it
     crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`).
-    `activations`: the fitted bytes of the block's activation temporaries."""
+    `activations`: the bytes of activations one forward pass writes
+    (`activation_traffic`)."""
     hbm = 2 * activations * p.passes + weights_read(strategy, p)
     w_compute = compute_weight_elements(strategy, p) * p.xb
     trips = 2 if p.train else 1  # gather in; reduce-scatter the gradient out
@@ -295,11 +316,13 @@ def estimate(
     p = problem_shape(cfg, mesh, dev, place)
     rest = weight_rest_bytes(p, mesh.product(place.hidden_axes))
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    key = calibration_key(strategy, place.exchange, cfg)
-    counts = memory_parts(strategy, place.exchange, p)
-    memory = block_memory(p, rest, temp_from_parts(key, counts))
-    activations = temp_from_parts(key, activation_parts(counts))
-    moved = traffic(strategy, place.exchange, p, memory, rounds, activations)
+    key = program_key(strategy, place.exchange, cfg)
+    held = held_buffers(
+        strategy, place.exchange, p, cfg.hardware.platform, jax_release(cfg.hardware.jax_version)
+    )
+    memory = block_memory(p, rest, temp_bytes(held, cfg))
+    written = activation_traffic(strategy, place.exchange, p)
+    moved = traffic(strategy, place.exchange, p, memory, rounds, written)
     hw = cfg.hardware
     # Training's backward runs each expert matmul twice more (input gradient, weight
     # gradient) over the same tiles: Pallas's gmm walks the forward's tiles again and
@@ -347,17 +370,14 @@ def with_memory(est: Estimate, memory: Memory, memory_gib: float) -> Estimate:
 
 
 __all__ = [
-    "CALIBRATION_FILE",
-    "MEMORY_CALIBRATION",
-    "PARTS",
     "Estimate",
+    "HeldBuffers",
     "Memory",
     "DeviceProblem",
     "Traffic",
-    "calibration_key",
     "estimate",
-    "memory_parts",
+    "held_buffers",
     "problem_shape",
-    "temp_from_parts",
+    "program_key",
     "with_memory",
 ]

@@ -1,137 +1,195 @@
-"""The fitted memory model: the block's temporaries as hand counts of parts, each
-scaled by a coefficient fitted on compiled programs (bench.calibrate writes
-memory_calibration.json beside this module)."""
+"""The counted memory model: the buffers a block's program holds at its peak.
+
+Nothing here is fitted per program. Each program's peak is counted from what the layers
+allocate (layers/: the dispatch's activations, the weights' compute copies, the weight
+gradients before they leave the block), in the dtypes the compiler keeps them in, and
+one constant per compiler (`COMPILER_FACTOR`) scales the count to the compiler's temp.
+
+What the peak holds, per program (bytes; letters as in `selector.problem`):
+
+- weights: the compute copy of the expert weights a device multiplies with (E_c experts'
+  hidden slice, the shared experts too), when it differs from the weights at rest:
+  gathered over the embed (and, gathered, the expert) axes, or cast to the compute
+  dtype (`has_weight_copy`). In their own dtype and not gathered, the matmuls read the
+  arguments in place.
+- gradients (training): gathered, the full-size weight gradients of the three matrices
+  before their reduce-scatter. XLA:TPU's buffer assignment of a Qwen3-30B-A3B layer
+  holds two of the three at its peak (W + 2/3 W + rows: 2,145 MiB assigned at cp=2,
+  counted 2,146), but libtpu's temp adds, after buffer assignment, bytes no buffer of
+  the dump names: 0 to 0.6 W in the gathered backward of the real layers at cp 1 to 4
+  (bench.memory_holdout), none measurable in the exchanged one. All three gradients
+  bound what is assigned and cover most of that; exchanged, every
+  local expert's float32 accumulator (the exchange's backward adds each slot into
+  them) and one matrix's cast to the compute dtype on its way out. Not gathered, the
+  gradients are the program's outputs, not temporaries.
+- activations: megablox gathered, the sorted rows (T k x M) and the two hidden
+  products (T k x H each) live during the first two matmuls, saved for the backward when
+  training; exchanged, one round's send and receive buffers (2 x G x B x M) and one
+  slot's hidden products (2 x B x H); dense, every token's hidden products and outputs
+  for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
+  products and outputs (G x E x C x (2M + 2H)), its one-hot masks fused into their
+  einsums; the router's float32 probabilities (T x E) and the shared
+  experts' hidden products (T x 2 Hs) beside each.
+
+XLA:CPU multiplies half-precision weights in float32 (bf16 weights are all-gathered and
+multiplied as f32, read in its compiled programs), so on `platform=cpu` the weights'
+compute copy is counted at 4 bytes an element whatever the compute dtype.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import functools
+import re
+from dataclasses import dataclass
+from importlib import metadata
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
-from .problem import DeviceProblem, buffer_rows, compute_weight_elements, rows
+from .problem import DeviceProblem, buffer_rows
 
-# Temp bytes = sum over parts of coefficient x hand count, per calibration key: the
-# compiler family, the mode and the dispatch and exchange (`tpu train megablox`). Each
-# compiler has its own coefficients, fitted on its own compiled programs: XLA:TPU
-# (`tpu`) and XLA:GPU (`gpu`) keep every buffer in the compute dtype, so one family
-# serves each dtype at its own bytes; XLA:CPU converts part of a bfloat16 program to
-# float32, so half precision there is a family of its own (`cpu_half`). Training
-# (fwd+bwd), prefill and decode (forward programs) are fitted apart. Parts, in bytes
-# (see `memory_parts`): `tokens` (T x M: block
-PARTS = (
-    "tokens",
-    "rows_m",
-    "rows_h",
-    "router",
-    "choices",
-    "masks",
-    "masks_k",
-    "weights",
-    "cast",
-    "gathered",
-    "reduced",
-    "expert",
-)
-CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
-MEMORY_CALIBRATION: dict[str, dict[str, float]] = json.loads(CALIBRATION_FILE.read_text())
 ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
+ACCUMULATOR_BYTES = 4  # the exchange's weight-gradient accumulators are float32
+
+# The one constant per compiler: its temp over the count. XLA:TPU and XLA:GPU: 1, the
+# count alone (against the real presets' layers compiled for 64 v5p and 8 H200 on both
+# stacks, bench.memory_holdout). XLA:CPU, where nobody deploys but the suite and the
+# small examples run: 1.45, the median of its compiled temp over the count on the 438
+# small points bench.calibrate compiled (it schedules for speed, not memory, and holds
+# more of the forward into the backward than the other two).
+COMPILER_FACTOR = {"tpu": 1.0, "gpu": 1.0, "cpu": 1.45}
 
 
-FAMILIES = ("cpu", "cpu_half", "gpu", "tpu")
+@dataclass(frozen=True)
+class HeldBuffers:
+    """Bytes a block's program holds at its peak, by what they are."""
+
+    weights: float  # compute copies of the weights (gathered, or cast)
+    gradients: float  # weight gradients before they leave the block
+    activations: float  # rows, hidden products, masks, router outputs
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.activations
 
 
-def calibration_family(cfg: Config) -> str:
-    """The compiler whose coefficients price `cfg`: its platform, and half precision on
-    XLA:CPU apart."""
-    platform = cfg.hardware.platform
-    if platform == "cpu" and DTYPE_BYTES.get(cfg.dtype, 4) < 4:
-        return "cpu_half"
-    return platform
+# The jax release assumed when none is installed (the selector alone): the newest stack
+# this project is tested on.
+NEWEST_TESTED_JAX = (0, 12)
 
 
-def calibration_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:
-    """`{family} {mode} {program}`, for example `tpu train megablox_exchanged`."""
+@functools.lru_cache(maxsize=8)
+def jax_release(version: str = "auto") -> tuple[int, int]:
+    """(major, minor) of `version`, or of the jax installed here for `auto` (read from
+    its package metadata: the selector stays jax-free)."""
+    if version == "auto":
+        try:
+            version = metadata.version("jax")
+        except metadata.PackageNotFoundError:
+            return NEWEST_TESTED_JAX
+    found = re.match(r"(\d+)\.(\d+)", version.strip())
+    if not found:
+        raise ValueError(
+            f"hardware.jax_version={version!r} is not a jax version: give one such as "
+            "0.10.2 or 0.12.0.1, or auto (the jax installed here)"
+        )
+    return int(found.group(1)), int(found.group(2))
+
+
+def weight_copy_bytes(platform: str, compute_bytes: int) -> int:
+    """Bytes an element of the weights' compute copy takes on `platform`'s compiler."""
+    return 4 if platform == "cpu" else compute_bytes
+
+
+def has_weight_copy(p: DeviceProblem, platform: str) -> bool:
+    """Whether the matmuls read a copy of the weights rather than the arguments: gathered,
+    or converted where the compiler keeps the conversion apart (XLA:CPU's float32 copy;
+    XLA:TPU fuses a cast of weights it does not gather into the dots, measured on the
+    small decode programs: 0.4 MiB of temp where the copy would be 6.9)."""
+    if p.gathered > 1:
+        return True
+    if weight_copy_bytes(platform, p.xb) != p.xb:
+        return True
+    return p.pb != p.xb and platform != "tpu"
+
+
+def routed_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
+    """Elements of the routed experts' weights a device multiplies with."""
+    experts = 1 if strategy is Dispatch.mlp else p.E_c
+    return experts * 3 * p.M * p.H
+
+
+def held_buffers(
+    strategy: Dispatch,
+    exchange: Exchange,
+    p: DeviceProblem,
+    platform: str,
+    release: tuple[int, int] = NEWEST_TESTED_JAX,
+) -> HeldBuffers:
+    """What the block's program holds at its peak on `platform`'s compiler of jax
+    `release` (see the module's docstring)."""
+    routed = routed_weight_elements(strategy, p)
+    shared = 3 * p.M * p.Hs
+    copy = weight_copy_bytes(platform, p.xb) if has_weight_copy(p, platform) else 0
+    weights = (routed + shared) * copy
+    exchanged = strategy is Dispatch.megablox and exchange is Exchange.all_to_all
+    gradients = 0.0
+    if p.train and exchanged:
+        gradients = routed * ACCUMULATOR_BYTES + routed * p.xb / 3
+        gradients += shared * p.xb * 2 / 3 if p.gathered > 1 else 0.0
+    elif p.train and p.gathered > 1:
+        gradients = (routed + shared) * p.xb
+        if platform == "gpu" and release >= (0, 12):
+            # jax 0.12's XLA:GPU reduce-scatters each matrix's gradient before the next
+            # is formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four
+            # 384 MiB weight-sized buffers, the three gathered and one gradient).
+            gradients /= 3
+    activations = activation_bytes(strategy, exchange, p)
+    gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
+    if platform == "gpu" and release < (0, 12) and gathered_forward:
+        # jax 0.10's XLA:GPU forward of the gathered grouped matmul (tiled_gmm) holds a
+        # second layout of one gathered matrix and the expert outputs beside the sorted
+        # rows (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
+        # weight buffers where three are gathered, two 128 MiB row buffers); jax 0.12's
+        # holds neither. Training's peak is in the backward, after the forward.
+        weights += routed * copy / 3
+        activations += p.T * p.k * p.M * p.xb
+    return HeldBuffers(weights, gradients, activations)
+
+
+def activation_bytes(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
+    """The activations a block's program holds at its peak (the module's docstring)."""
+    beside = p.T * 2 * p.Hs * p.xb  # the shared experts' hidden products
+    if strategy is Dispatch.mlp:
+        return p.T * 2 * p.H * p.xb + beside
+    beside += p.T * p.E * ROUTER_BYTES
+    if strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
+        b = buffer_rows(p)
+        return (2 * p.group * b * p.M + 2 * b * p.H) * p.xb + beside
+    if strategy is Dispatch.megablox:
+        return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
+    if strategy is Dispatch.dense:
+        return p.T * p.E_c * (2 * p.H + p.M) * p.xb + beside
+    # subgroup_capacity: the one-hot dispatch and combine masks are fused into their
+    # einsums (XLA:TPU holds 9.3 MiB for a program whose float32 masks would be 640 MiB).
+    return p.G * p.E * p.C * (2 * p.M + 2 * p.H) * p.xb + beside
+
+
+def temp_bytes(held: HeldBuffers, cfg: Config) -> float:
+    """The compiler's temp for a program holding `held`: the count times the
+    compiler's one constant."""
+    return held.total * COMPILER_FACTOR[cfg.hardware.platform]
+
+
+def program_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:
+    """`{family} {mode} {program}` (for example `tpu train megablox_exchanged`): the key
+    of the time model's constants (selector.time_model). XLA:CPU at half precision is
+    a family of its own there (it converts part of such a program to float32)."""
     if strategy is Dispatch.mlp:
         base = "dense"
     elif strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
         base = "megablox_exchanged"
     else:
         base = strategy.value
-    return f"{calibration_family(cfg)} {cfg.mode.value} {base}"
-
-
-def memory_parts(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> dict[str, float]:
-    """Hand counts of the temporaries, in bytes, one per way a buffer scales (see PARTS)."""
-    n = rows(strategy, p)
-    if strategy is Dispatch.megablox:
-        n = p.T * p.k  # the grouped matmul reads rows in place: no padded copy
-    hidden_rows = n
-    if exchange is Exchange.all_to_all:
-        n = p.group * buffer_rows(p)  # an owner's rows arrive in G slots of B
-        hidden_rows = buffer_rows(p)  # and go through the experts one slot at a time
-    routed = strategy is not Dispatch.mlp
-    capacity_path = strategy is Dispatch.subgroup_capacity
-    if strategy in (Dispatch.dense, Dispatch.subgroup_capacity):
-        choices = p.T * p.k * p.E * 4  # one-hot of each choice (combine weights, queues)
-    else:
-        choices = p.T * p.k * 4 * (1 if routed else 0)  # sort order and its inverse
-    weights = compute_weight_elements(strategy, p) * p.xb
-    # A cast to the compute dtype makes a copy of its own; in their own dtype the
-    # matmuls may read the parameters where they rest (a layout change aside).
-    cast = weights if p.pb != p.xb else 0.0
-    return {
-        "tokens": p.T * p.M * p.xb,
-        "rows_m": n * p.M * p.xb,
-        "rows_h": (hidden_rows * p.H + p.T * p.Hs) * p.xb,  # routed rows, every token's shared
-        "router": p.T * p.E * ROUTER_BYTES if routed else 0.0,
-        "choices": choices,
-        "masks": p.T * p.E * p.C * p.xb if capacity_path else 0.0,
-        "masks_k": p.T * p.k * p.E * p.C * p.xb if capacity_path else 0.0,
-        "weights": weights,
-        "cast": cast,
-        "gathered": weights if p.gathered > 1 else 0.0,
-        "reduced": weights if p.replicas > 1 and p.train else 0.0,
-        "expert": expert_accumulators(strategy, exchange, p),
-    }
-
-
-def expert_accumulators(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
-    """Float32 weight-gradient accumulators of the grouped matmul's backward: one
-    expert's at a time when gathered (the tiled weight gradient writes each expert
-    once); every local expert's when exchanged (the exchange's backward adds each slot
-    of each round into them, layers.expert_parallel)."""
-    if strategy is not Dispatch.megablox or not p.train:
-        return 0.0
-    experts = p.E_c if exchange is Exchange.all_to_all else 1
-    return experts * 3 * p.M * p.H * 4
-
-
-WEIGHT_PARTS = ("weights", "cast", "gathered", "reduced", "expert")
-
-
-def activation_parts(parts: dict[str, float]) -> dict[str, float]:
-    """Of `memory_parts`, those that are activations (not copies of weights or their
-    gradients): the fitted coefficients on these price the activations' HBM traffic."""
-    return {k: (0.0 if k in WEIGHT_PARTS else v) for k, v in parts.items()}
-
-
-class CalibrationMissing(KeyError):
-    """No fitted coefficients for a calibration key."""
-
-
-def temp_from_parts(key: str, parts: dict[str, float]) -> float:
-    """Temp bytes from the hand counts and the fitted coefficients of `key`."""
-    coeff = MEMORY_CALIBRATION.get(key)
-    if coeff is None:
-        family = key.split()[0]
-        raise CalibrationMissing(
-            f"{CALIBRATION_FILE.name} has no coefficients for {key!r}: fit them with "
-            f"python -m bench.calibrate --target {family.split('_')[0]} --write"
-        )
-    missing = set(parts) - set(coeff)
-    if missing:
-        raise CalibrationMissing(
-            f"{CALIBRATION_FILE.name} entry {key!r} lacks the parts {sorted(missing)}: "
-            "fit it again with python -m bench.calibrate --write"
-        )
-    return sum(coeff[k] * v for k, v in parts.items())
+    family = cfg.hardware.platform
+    if family == "cpu" and DTYPE_BYTES.get(cfg.dtype, 4) < 4:
+        family = "cpu_half"
+    return f"{family} {cfg.mode.value} {base}"

@@ -103,7 +103,9 @@ def fill_tier(cfg: Config, tier: str, devices: int | None, findings: list) -> di
                 f"{names} are all -1; at most one {tier} axis may fill the remaining "
                 "devices. Give the others explicit sizes.",
                 [
-                    fix(f"{keep} fills", **{f"{tier}_{a}_parallelism": 1 for a in fill if a != keep})
+                    fix(
+                        f"{keep} fills", **{f"{tier}_{a}_parallelism": 1 for a in fill if a != keep}
+                    )
                     for keep in fill
                 ],
             )
@@ -240,7 +242,10 @@ def mesh_from_config(cfg: Config) -> tuple[dict | None, list[Finding], dict]:
                 f"multiply to {cfg.num_devices}, or set one of them to -1.",
                 [
                     *(
-                        fix(f"{a} fills the {cfg.num_devices} devices", **{f"ici_{a}_parallelism": -1})
+                        fix(
+                            f"{a} fills the {cfg.num_devices} devices",
+                            **{f"ici_{a}_parallelism": -1},
+                        )
                         for a, n in ici.items()
                         if n > 1
                     ),

@@ -56,10 +56,16 @@ def capacity(
     """
     if capacity_factor <= 0:
         return None
+    # An expert can take at most every token of a subgroup (a token's k choices are
+    # distinct experts): a larger capacity holds nothing more, and a huge factor would
+    # overflow the count.
+    most = max(1, math.ceil(sub_seq - _EPS))
     if rounding is CapacityRounding.maxtext:
         per_expert = math.ceil(sub_seq * k / num_experts - _EPS)
-        return int(max(per_expert * capacity_factor, capacity_factor))
-    return max(1, math.ceil(sub_seq * k / num_experts * capacity_factor - _EPS))
+        wanted = max(per_expert * capacity_factor, capacity_factor)
+        return int(min(wanted, most))
+    wanted = sub_seq * k / num_experts * capacity_factor
+    return max(1, min(most, math.ceil(min(wanted, most) - _EPS)))
 
 
 def per_device(cfg: Config, mesh: MeshView) -> PerDevice:

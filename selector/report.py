@@ -282,5 +282,3 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
         f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block)",
     ]
     return lines
-
-

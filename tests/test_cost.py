@@ -136,14 +136,22 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     them to data keeps the global batch but replicates the weights the context axis was
     sharding; lowering the batch leaves a device lightest. Lightest first, each saying
     what a device then holds, the replicating move last at over 2.5x the others (the
-    whole step's logits and saved activations do not grow with the replication)."""
-    cfg = typed(
+    whole step's logits and saved activations do not grow with the replication). On a
+    v5p (95 GiB) that move leaves a device over the chip, so it is not offered; on a
+    chip of 200 GiB it is, last."""
+    over = (
         "model=qwen3_next_80b_a3b",
         "mesh=v5p_128",
         "ici_context_parallelism=4",
         "per_device_batch_size=1",
         "max_target_length=8192",
     )
+    (f,) = [f for f in selector.validate(typed(*over)) if f.code == "LOCAL_BATCH_INFLATION"]
+    assert [x.render() for x in f.fixes] == [
+        "per_device_batch_size=0.25",
+        "ici_fsdp_parallelism=64 ici_context_parallelism=1",
+    ]
+    cfg = typed(*over, "hardware.memory_gib=200")
     (f,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
     lower, to_fsdp, to_data = f.fixes
     assert lower.render() == "per_device_batch_size=0.25"
@@ -188,7 +196,7 @@ def test_tpu_time_terms_take_the_constants_counted_on_xla_tpu():
     """A TPU preset's time terms are the raw terms scaled by the constants stored for its
     (mode, program), which say they came from XLA:TPU's counts (no TPU timed them), and
     time_model=false gives the raw terms back."""
-    from selector.memory_model import calibration_key
+    from selector.memory_model import program_key
     from selector.time_model import TIME_MODEL
 
     over = (
@@ -201,7 +209,7 @@ def test_tpu_time_terms_take_the_constants_counted_on_xla_tpu():
     counted = selector.resolve(typed(*over))
     raw = selector.resolve(typed(*over, "time_model=false"))
     for c, r in zip(counted.candidates, raw.candidates, strict=True):
-        key = calibration_key(c.strategy, c.exchange, typed(*over))
+        key = program_key(c.strategy, c.exchange, typed(*over))
         coef = TIME_MODEL[key]
         assert coef["source"].startswith("XLA:TPU's counts"), key
         compute, hbm, network = r.estimate.time_parts

@@ -332,15 +332,15 @@ def test_custom_mesh_and_rule_is_read_as_maxtext_reads_it(base):
 
 
 def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
-    """DeepSeek-V3 on 128 devices with base.yml's float32 weights and 2 sequences of
-    2,048 tokens a device: the whole step (115 GiB) exceeds a v5p, MEMORY_EXCEEDED. The
+    """DeepSeek-V3 on 256 devices with base.yml's float32 weights and 6 sequences of
+    2,048 tokens a device: the whole step (97 GiB) exceeds a v5p, MEMORY_EXCEEDED. The
     selector's own fix is param_dtype=bfloat16; on the MaxText route it is
     weight_dtype=bfloat16 (MaxText's key), and applying it on the same route clears the
     finding (exit 0, where the fix in our spelling exits 2: unknown MaxText key)."""
     from selector.cli import main
     from selector.maxtext import route_fixes
 
-    over = ["model_name=deepseek3-671b", "num_devices=128", "per_device_batch_size=2"]
+    over = ["model_name=deepseek3-671b", "num_devices=256", "per_device_batch_size=6"]
     imported = selector.from_maxtext(base, over)
     _, found = selector.api.analyse_any(imported.config)
     (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
@@ -350,8 +350,8 @@ def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
     rendered = [x.render() for x in memory.fixes]
     assert "weight_dtype=bfloat16" in rendered and len(rendered) == len(ours.fixes)
     assert "weight_dtype=bfloat16" in memory.message and "param_dtype" not in memory.message
-    # The other fixes add slices, in MaxText's own keys (num_slices, dcn_*_parallelism).
-    chips = [r for r in rendered if not r.startswith("weight_dtype=")]
+    # Those that add chips add slices, in MaxText's own keys (num_slices, dcn_*_parallelism).
+    chips = [r for r in rendered if r.startswith("num_devices=")]
     assert chips and all("num_slices=" in r and "dcn_fsdp_parallelism=" in r for r in chips)
     args = [f"maxtext_config={base}", *over]
     assert main(args) == 1

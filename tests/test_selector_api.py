@@ -312,24 +312,3 @@ def test_to_config_reads_the_presets_a_mapping_names():
     assert (beside.model_name, beside.num_experts) == ("deepseek_v3", 64)
     (f,) = selector.validate({"model": "deepseek_v4"})
     assert f.code == "PRESET_UNKNOWN" and "deepseek_v3" in f.message
-
-
-def test_every_compiler_mode_and_program_has_fitted_coefficients():
-    """The memory model prices every (compiler family, mode, program) from its own fit;
-    a key the calibration lacks is an error naming the command that fits it, never a
-    silent coefficient of 1.0."""
-    from selector.memory_model import (
-        FAMILIES,
-        MEMORY_CALIBRATION,
-        PARTS,
-        CalibrationMissing,
-        temp_from_parts,
-    )
-
-    for family in FAMILIES:
-        for mode in ("train", "prefill", "decode"):
-            for program in ("dense", "megablox", "megablox_exchanged", "subgroup_capacity"):
-                key = f"{family} {mode} {program}"
-                assert set(MEMORY_CALIBRATION.get(key, {})) == set(PARTS), key
-    with pytest.raises(CalibrationMissing, match="python -m bench.calibrate --target tpu"):
-        temp_from_parts("tpu sideways megablox", dict.fromkeys(PARTS, 1.0))

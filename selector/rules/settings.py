@@ -191,6 +191,24 @@ def hardware_values(cfg: Config) -> list[Finding]:
     ]
 
 
+def jax_version_readable(cfg: Config) -> list[Finding]:
+    """hardware.jax_version names the compiler the memory count follows."""
+    from ..memory_model import jax_release
+
+    try:
+        jax_release(cfg.hardware.jax_version)
+    except ValueError as exc:
+        return [
+            error(
+                "VALUE_TYPE_INVALID",
+                "hardware.jax_version",
+                str(exc) + ".",
+                [fix("the jax installed here", **{"hardware.jax_version": "auto"})],
+            )
+        ]
+    return []
+
+
 def mlp_needs_one_expert(cfg: Config) -> list[Finding]:
     if cfg.dispatch is Dispatch.mlp and cfg.num_experts > 1:
         return [
@@ -329,6 +347,7 @@ SETTINGS_RULES = (
     top_k_within_experts,
     known_dtypes,
     hardware_values,
+    jax_version_readable,
     mlp_needs_one_expert,
     gmm_backend_on_platform,
     gmm_row_tile_supported,

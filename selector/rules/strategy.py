@@ -168,8 +168,7 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
             f"{cfg.hardware.name} ({shown} GiB; the peak holds what rests, what is saved "
             "and the largest of the logits and one layer's attention plus MoE block); "
             + (
-                "the parameters' state dominates: shard it over more devices or store it "
-                "smaller."
+                "the parameters' state dominates: shard it over more devices or store it smaller."
                 if state_bigger
                 else "the activations dominate: save less (remat_policy), tile the "
                 "logits (num_vocab_tiling), raise cp or the batch shards, or lower "
@@ -182,8 +181,6 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
             "(hardware=) or a smaller model.",
         )
     ]
-
-
 
 
 def _lighter_step(cfg: Config, parts: dict) -> list:
