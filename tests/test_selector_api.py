@@ -254,7 +254,28 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
         env=env,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["subgroup_capacity", "megablox", "tiny"]
+    # What selector.resolve picks for the same two configs, outside any Hydra app.
+    top = selector.resolve(
+        selector.compose(
+            [
+                "num_devices=8",
+                "ici_fsdp_parallelism=2",
+                "ici_context_parallelism=4",
+                "per_device_batch_size=0.25",
+                "max_target_length=8192",
+                "num_experts=64",
+                "num_experts_per_tok=8",
+                "capacity_factor=1.25",
+            ]
+        )
+    )
+    nested = selector.resolve(
+        selector.compose(
+            ["model=tiny", "num_devices=8", "ici_fsdp_parallelism=8", "capacity_factor=-1"]
+        )
+    )
+    assert top.strategy.value == "subgroup_capacity"
+    assert out.stdout.split() == [top.strategy.value, nested.strategy.value, "tiny"]
 
 
 def test_resolver_reports_config_errors():

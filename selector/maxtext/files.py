@@ -47,7 +47,8 @@ def load_yaml(path: Path) -> dict:
             "maxtext_config= (or its base_config:)."
         ) from exc
     except OSError as exc:
-        raise MaxTextError(f"MaxText config {name} cannot be read ({exc}).") from exc
+        reason = exc.strerror or type(exc).__name__  # str(exc) repeats the whole path
+        raise MaxTextError(f"MaxText config {name} cannot be read ({reason}).") from exc
     if not path.is_file():
         raise MaxTextError(
             f"MaxText config {name} is not a regular file (a folder, pipe or device); "
@@ -78,7 +79,8 @@ def load_yaml(path: Path) -> dict:
             f"MaxText config {name} is not readable YAML{where} ({shown(problem)}); fix the file."
         ) from exc
     except (OSError, UnicodeDecodeError) as exc:
-        raise MaxTextError(f"MaxText config {name} cannot be read ({exc}).") from exc
+        reason = exc.strerror or type(exc).__name__  # str(exc) repeats the whole path
+        raise MaxTextError(f"MaxText config {name} cannot be read ({reason}).") from exc
     if data is None:
         raise MaxTextError(f"MaxText config {name} is empty; give a config with its keys.")
     if not isinstance(data, dict):
