@@ -328,22 +328,28 @@ def main() -> None:
             "help": "only compile the real models' layers for "
             "64 v5p chips (minutes each) and add them to the JSON",
         },
+        into={
+            "default": "targets",
+            "help": "the study's name (targets_jax012 for the second stack's run)",
+        },
     )
     if args is None:
         return
     if args.real:
         from bench.common import load
 
-        payload = load("targets")
+        payload = load(args.into)
         payload["real"] = real_rows()
         print(table(payload["real"], REAL_COLUMNS))
-        print("wrote", *save("targets", payload, plot(payload)))
+        print("wrote", *save(args.into, payload, plot(payload)))
         return
-    payload = {"small": small_rows(), "maxtext": maxtext_rows()}
+    import jax
+
+    payload = {"jax": jax.__version__, "small": small_rows(), "maxtext": maxtext_rows()}
     print(table(payload["small"], COLUMNS))
     print()
     print(table(payload["maxtext"], MAXTEXT_COLUMNS))
-    print("wrote", *save("targets", payload, plot(payload)))
+    print("wrote", *save(args.into, payload, plot(payload)))
 
 
 if __name__ == "__main__":
