@@ -17,7 +17,9 @@ class Severity(str, enum.Enum):
 
 
 def render_value(value: Any) -> str:
-    """A value as a command-line override spells it."""
+    """A value as a command-line override spells it (None as Hydra's `null`)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, enum.Enum):

@@ -455,3 +455,14 @@ def test_a_fractional_global_batch_is_shown_as_it_is_not_rounded_whole():
     (f,) = [f for f in selector.validate(cfg) if f.code == "GLOBAL_BATCH_FRACTIONAL"]
     assert f"per_device_batch_size={value!r}" in f.message, f.message
     assert "= 3 sequences" not in f.message and "= 3.0000001" in f.message, f.message
+
+
+def test_a_fix_that_unsets_a_setting_is_spelled_as_hydra_reads_it():
+    """None is Hydra's `null` on the command line (a fix rendered `num_devices=None` did
+    not parse; hypothesis found it through the fix-verification property)."""
+    from selector.findings import fix, render_value
+
+    assert render_value(None) == "null"
+    rendered = fix(num_devices=None).render()
+    assert rendered == "num_devices=null"
+    assert selector.to_config(selector.compose(["model=tiny", rendered])).num_devices is None
