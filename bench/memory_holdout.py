@@ -31,6 +31,7 @@ from importlib import metadata
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from bench.common import RESULTS, arguments, pyplot, save, table
+from bench.common import load as stored
 
 STUDY = "memory_holdout"
 MODELS = ("qwen3_30b_a3b", "qwen3_next_80b_a3b", "deepseek_v3", "mixtral_8x7b")
@@ -136,8 +137,8 @@ def compile_one(over: list[str], chip: str) -> dict:
 
 
 def load() -> dict:
-    path = RESULTS / f"{STUDY}.json"
-    return json.loads(path.read_text()) if path.exists() else {"stacks": {}}
+    """The stored compiles (bench.common.load), or none yet."""
+    return stored(STUDY) if (RESULTS / f"{STUDY}.json").exists() else {"stacks": {}}
 
 
 def write(payload: dict) -> None:
