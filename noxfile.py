@@ -3,6 +3,7 @@
     nox -s tests-3.11      # the machine's Python 3.11, ".[test,tpu,gpu,docs]" as pinned by pip
     nox -s tests-3.12      # Python 3.12, jax 0.12.0.1 + MaxText 0.2.5 (runs its RoutedMoE too)
     nox -s docs            # mkdocs build --strict
+    nox -s mutate          # mutation testing (mutmut; pyproject's [tool.mutmut]), not in CI
 
 Arguments after `--` replace the pytest arguments, e.g.
 `nox -s tests-3.12 -- -x tests/test_maxtext_routedmoe.py tests/test_layers_parity.py`.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["tests-3.11", "tests-3.12", "docs"]
+nox.options.sessions = ["tests-3.11", "tests-3.12", "docs"]  # `mutate` only when named
 nox.options.default_venv_backend = "venv"
 
 # The README's test command (8 simulated CPU devices are set by tests/conftest.py).
@@ -51,3 +52,16 @@ def docs(session: nox.Session) -> None:
     """The docs site, with every warning an error."""
     session.install(".[docs]")
     session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp() + "/site")
+
+
+@nox.session(python="3.11")
+def mutate(session: nox.Session) -> None:
+    """Mutation testing of the cost, memory, placement and policy modules and the
+    exchange and grouped matmul (pyproject's [tool.mutmut]). Arguments after `--` are
+    mutant names or globs, e.g. `nox -s mutate -- "selector.cost*"`. The survivors are
+    printed at the end and kept under mutants/ (`mutmut show NAME` in the session's
+    virtualenv shows one)."""
+    session.install(".[test,mutation]")
+    session.run("mutmut", "run", "--max-children", "2", *session.posargs)
+    session.run("mutmut", "export-cicd-stats")
+    session.run("mutmut", "results")

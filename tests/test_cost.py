@@ -1,6 +1,8 @@
 """The cost model's traffic and time terms: each collective's bytes, split between the
 links it crosses (ICI within a slice, DCN across slices), priced at that link's speed."""
 
+import json
+
 import pytest
 from helpers import typed
 
@@ -315,3 +317,69 @@ def test_weights_and_rows_add_to_the_network_bytes(overrides):
         assert t.weights_bytes + t.rows_bytes == pytest.approx(t.network), c.name
     moved = [c.estimate.traffic for c in plan.candidates]
     assert max(t.tensor_reduce for t in moved) > 0 or max(t.grad_reduce for t in moved) > 0
+
+
+def test_cpu_time_model_is_the_fit_of_todays_terms():
+    """selector/time_model.json's XLA:CPU constants are what bench.decide fits on the
+    stored timings with the terms today's cost model computes: change the cost model
+    and this fails until `python -m bench.decide --refit --write` refits (a fit made on
+    terms the selector no longer computes describes another model)."""
+    from bench import decide
+    from bench.common import load
+    from selector.time_model import TIME_MODEL_FILE
+
+    fitted = decide.fit(decide.recount(load("decide"))["fit_rows"])
+    stored = json.loads(TIME_MODEL_FILE.read_text())
+    assert {f"cpu {p}" for p in fitted} == {k for k in stored if k.startswith("cpu ")}
+    for program, coef in fitted.items():
+        got = {t: stored[f"cpu {program}"][t] for t in decide.TERMS}
+        assert got == pytest.approx(coef, rel=1e-9, abs=1e-12), program
+
+
+def _exchanged_problem():
+    from selector.problem import problem_shape
+
+    cfg = typed(
+        "model=tiny",
+        "mesh=cpu_8",
+        "allow_local_batch_inflation=true",
+        "ici_data_parallelism=1",
+        "ici_fsdp_parallelism=2",
+        "ici_context_parallelism=4",
+        "expert_exchange=all_to_all",
+    )
+    plan = selector.resolve(cfg)
+    return problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+
+
+@pytest.mark.parametrize(
+    "buffer_factor, buffer, rounds",
+    [(0.5, 256, 3), (1.125, 576, 1), (1.0, 512, 2)],
+)
+def test_expected_rounds_against_uniform_routing_drawn(buffer_factor, buffer, rounds):
+    """1,024 tokens a device, k=2, an expert group of 4 on 8 devices: each device sends
+    each owner 512 rows on average (binomial, sd 19.6); the busiest of the 32 pairs
+    sets the rounds. Counted by hand: 512 + sqrt(2 ln 32) x 19.6 = 563.6 rows, so
+    ceil(563.6 / B) rounds; and drawn: the busiest pair of 200 uniform routings, each
+    pair's rounds ceil(max / B), agree at B = 256 and 576. At B = 512 the count says 2
+    where the median draw (about 551 rows) also needs 2."""
+    import dataclasses
+    import math
+
+    import numpy as np
+
+    from selector.cost import expected_rounds
+    from selector.problem import buffer_rows
+
+    p = dataclasses.replace(_exchanged_problem(), T=1024, k=2, group=4, buffer_factor=buffer_factor)
+    assert buffer_rows(p) == buffer
+    assert expected_rounds(p, 8) == rounds
+    rng = np.random.default_rng(0)
+    drawn = [
+        math.ceil(rng.multinomial(1024 * 2, [0.25] * 4, size=8).max() / buffer) for _ in range(200)
+    ]
+    assert int(np.median(drawn)) == rounds
+    assert expected_rounds(dataclasses.replace(p, group=1), 8) == 1  # nothing exchanged
+    # A group of 2: 1,024 rows a pair, sd 22.6, z = sqrt(2 ln 16): 1,077 rows; B = 512.
+    pair = dataclasses.replace(p, group=2, buffer_factor=0.5)
+    assert (buffer_rows(pair), expected_rounds(pair, 8)) == (512, 3)

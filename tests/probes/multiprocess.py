@@ -4,11 +4,14 @@ collectives over loopback). Writes the global output, statistics and gradients t
 .npz (process 0 only) and prints a JSON line (with the processes each context group
 spans).
 
-STRATEGY is a dispatch with its weights gathered, or `megablox_exchanged`: expert
-parallelism over the context axis, on a mesh laid out (context=4, data=2) so that every
-context group holds devices of both processes and the rows cross the process boundary.
+STRATEGIES is a comma-separated list; each is a dispatch with its weights gathered, or
+`megablox_exchanged`: expert parallelism over the context axis, on a mesh laid out
+(context=4, data=2) so that every context group holds devices of both processes and the
+rows cross the process boundary. One process start serves them all (a start with jax,
+flax and the distributed runtime costs more than a strategy's step); each writes
+OUT.<strategy>.npz.
 
-    probe.py OUT.npz STRATEGY [PROCESS_ID NUM_PROCESSES PORT]
+    probe.py OUT STRATEGIES [PROCESS_ID NUM_PROCESSES PORT]
 """
 
 import json
@@ -19,7 +22,7 @@ import numpy as np
 
 
 def main() -> None:
-    out_path, strategy = sys.argv[1], sys.argv[2]
+    out_prefix, strategies = sys.argv[1], sys.argv[2].split(",")
     if len(sys.argv) > 3:
         process_id, processes, port = (int(a) for a in sys.argv[3:6])
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -29,6 +32,22 @@ def main() -> None:
     else:
         process_id, processes = 0, 1
 
+    spans = {s: run_strategy(s, f"{out_prefix}.{s}.npz", process_id) for s in strategies}
+    print(
+        json.dumps(
+            {
+                "process": process_id,
+                "processes": processes,
+                "devices": jax.device_count(),
+                "processes_per_context_group": spans,
+            }
+        )
+    )
+
+
+def run_strategy(strategy: str, out_path: str, process_id: int) -> list[int]:
+    """One strategy's fwd+bwd; writes its arrays (process 0) and returns how many
+    processes each context group spans."""
     import jax.numpy as jnp
     from flax import nnx
     from jax.experimental import multihost_utils
@@ -85,16 +104,7 @@ def main() -> None:
     assert ("exchange_rounds" in stats) == exchanged
     if process_id == 0:
         np.savez(out_path, **arrays)
-    print(
-        json.dumps(
-            {
-                "process": process_id,
-                "processes": processes,
-                "devices": jax.device_count(),
-                "processes_per_context_group": spans,
-            }
-        )
-    )
+    return spans
 
 
 if __name__ == "__main__":
