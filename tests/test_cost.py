@@ -4,7 +4,7 @@ links it crosses (ICI within a slice, DCN across slices), priced at that link's 
 import json
 
 import pytest
-from helpers import typed
+from helpers import codes, typed
 
 import selector
 from selector import Dispatch, Exchange
@@ -383,3 +383,53 @@ def test_expected_rounds_against_uniform_routing_drawn(buffer_factor, buffer, ro
     # A group of 2: 1,024 rows a pair, sd 22.6, z = sqrt(2 ln 16): 1,077 rows; B = 512.
     pair = dataclasses.replace(p, group=2, buffer_factor=0.5)
     assert (buffer_rows(pair), expected_rounds(pair, 8)) == (512, 3)
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_shared_experts_add_every_tokens_three_matmuls(shared):
+    """A shared expert is a SwiGLU every token goes through: 3 matmuls of 2 x emb x hidden
+    FLOPs a token, hidden = shared_experts x base_moe_mlp_dim (tiny: emb 64, hidden 128),
+    on each of the device's tokens; training counts the pass three times over."""
+    from selector.cost import forward_flops
+    from selector.problem import problem_shape
+
+    over = ("model=tiny", "mesh=cpu_8", "ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    cfg = typed(*over, f"shared_experts={shared}")
+    plan = selector.resolve(cfg)
+    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    assert p.Hs == shared * 128
+    without = typed(*over)
+    plan0 = selector.resolve(without)
+    p0 = problem_shape(without, plan0.mesh, plan0.per_device, plan0.placement)
+    added = 6 * p.T * 64 * shared * 128
+    assert forward_flops(plan.strategy, p) - forward_flops(plan.strategy, p0) == added
+    assert plan.chosen_estimate.flops - plan0.chosen_estimate.flops == 3 * added
+
+
+def test_every_layer_adds_the_same_weights_gradients_and_state():
+    """One decoder layer more adds one layer's parameters, gradients and AdamW state at
+    rest, whatever the count (a one-layer model included)."""
+    over = ("model=tiny", "mesh=cpu_8", "ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    steps = [
+        selector.resolve(typed(*over, f"base_num_decoder_layers={n}")).chosen_estimate.step
+        for n in (1, 2, 3)
+    ]
+    for part in ("weights", "gradients", "optimizer"):
+        one, two, three = (getattr(s, part) for s in steps)
+        assert one > 0 and two - one == pytest.approx(three - two, rel=1e-12), part
+
+
+def test_an_unusable_time_calibration_scales_nothing(tmp_path):
+    """TIME_CALIBRATION_INVALID refuses the config; the estimates priced for its report
+    and fixes meanwhile take no scale from the calibration (1, as without one)."""
+    from selector.cost import time_factor
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    over = ("model=tiny", "mesh=cpu_8")
+    assert "TIME_CALIBRATION_INVALID" in codes(
+        selector.validate(typed(*over, f"time_calibration={bad}"))
+    )
+    for program in ("cpu train megablox", "cpu prefill dense"):
+        assert time_factor(typed(*over, f"time_calibration={bad}"), program) == 1.0
+        assert time_factor(typed(*over), program) == 1.0

@@ -140,3 +140,83 @@ def test_the_jax_release_is_read_without_importing_jax():
         jax_release("latest")
     found = selector.validate(typed(*QWEN3_30B, "hardware.jax_version=latest"))
     assert [f.setting for f in found] == ["hardware.jax_version"], found
+
+
+def _tiny_held(*over):
+    cfg = typed("model=tiny", "mesh=cpu_8", "ici_data_parallelism=1", *over)
+    plan = selector.resolve(cfg)
+    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    return held_buffers(plan.strategy, plan.placement.exchange, p, "tpu"), p
+
+
+def test_one_expert_holds_one_experts_weights():
+    """num_experts=1 runs a plain SwiGLU: its three (emb 64, hidden 128) matrices, the
+    float32 copy gathered over fsdp=8."""
+    h, p = _tiny_held("num_experts=1", "num_experts_per_tok=1", "ici_fsdp_parallelism=8")
+    assert p.gathered == 8 and p.xb == 4
+    assert h.weights == 3 * 64 * 128 * 4
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_shared_experts_weights_are_held_beside_the_routed(shared):
+    """Gathered over fsdp=8: the shared SwiGLU's three (64, shared x 128) matrices join
+    the routed experts' copy (and their gradients, training)."""
+    over = ("ici_fsdp_parallelism=8", "expert_exchange=gather")
+    h0, _ = _tiny_held(*over)
+    h, p = _tiny_held(*over, f"shared_experts={shared}")
+    assert p.Hs == shared * 128
+    assert h.weights - h0.weights == 3 * 64 * shared * 128 * 4
+    assert h.gradients - h0.gradients == 3 * 64 * shared * 128 * 4
+
+
+def test_exchanged_training_holds_shared_gradients_only_where_they_are_gathered():
+    """The exchange keeps every local expert's float32 accumulator and one matrix's
+    cast; the shared experts' gradients (two of three matrices held) only where their
+    weights were gathered (fsdp=2 here; on context=8 alone nothing is gathered)."""
+    for mesh, gathered in (
+        (("ici_fsdp_parallelism=1", "ici_context_parallelism=8"), 1),
+        (("ici_fsdp_parallelism=2", "ici_context_parallelism=4"), 2),
+    ):
+        h, p = _tiny_held(
+            *mesh,
+            "expert_exchange=all_to_all",
+            "shared_experts=1",
+            "allow_local_batch_inflation=true",
+        )
+        assert p.gathered == gathered and p.E_c == 8 // (8 // gathered)
+        routed = p.E_c * 3 * 64 * 128
+        shared = 3 * 64 * 128 * 4 * 2 / 3 if gathered > 1 else 0.0
+        assert h.gradients == routed * 4 + routed * 4 / 3 + shared
+
+
+@pytest.mark.parametrize(
+    "dtype, family", [("float32", "cpu"), ("bfloat16", "cpu_half"), ("float16", "cpu_half")]
+)
+def test_xla_cpu_at_half_precision_is_its_own_program_family(dtype, family):
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import program_key
+
+    cfg = typed("model=tiny", "mesh=cpu_8", f"dtype={dtype}")
+    assert program_key(Dispatch.megablox, Exchange.gather, cfg) == f"{family} train megablox"
+    tpu = typed("model=tiny", "hardware=v5p", "num_devices=8", f"dtype={dtype}")
+    assert program_key(Dispatch.dense, Exchange.gather, tpu) == "tpu train dense"
+
+
+def test_dense_and_capacity_activations_counted_by_hand():
+    """tiny (emb 64, hidden 128, 8 experts, k 2, float32) on fsdp=8, 512 tokens a
+    device: dense holds every expert's (tokens, 2 hidden + emb) products; the capacity
+    path its (subgroups, experts, capacity) buffers of 2 emb + 2 hidden; both the float32
+    router probabilities (tokens, experts)."""
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import activation_bytes
+
+    over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
+    _, p = _tiny_held(*over)
+    assert (p.T, p.E, p.E_c, p.xb) == (512, 8, 8, 4)
+    router = 512 * 8 * 4
+    dense = activation_bytes(Dispatch.dense, Exchange.gather, p)
+    assert dense == 512 * 8 * (2 * 128 + 64) * 4 + router
+    _, q = _tiny_held(*over, "dispatch=subgroup_capacity", "capacity_factor=1.0")
+    assert (q.G, q.C) == (1, 128)  # one 512-token subgroup, capacity 512 x 2 / 8
+    capacity = activation_bytes(Dispatch.subgroup_capacity, Exchange.gather, q)
+    assert capacity == 1 * 8 * 128 * (2 * 64 + 2 * 128) * 4 + router

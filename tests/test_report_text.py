@@ -116,8 +116,9 @@ def _why(est) -> str:
     return f"{_ms(est.time_s)} ms: compute {_ms(compute)}, HBM {_ms(hbm)}, network {_ms(network)}"
 
 
-def test_auto_pick_names_its_time_and_the_runner_up():
-    cfg, plan = _plan(*FSDP2_CP4)
+@pytest.mark.parametrize("capacity_factor", ["-1", "0"])  # both ask for dropless
+def test_auto_pick_names_its_time_and_the_runner_up(capacity_factor):
+    cfg, plan = _plan(*FSDP2_CP4, f"capacity_factor={capacity_factor}")
     by_name = {c.estimate.name: c for c in plan.candidates}
     chosen = plan.chosen_estimate
     others = [
@@ -151,6 +152,7 @@ def test_explicit_dispatch_names_both_placements():
     )
     verdicts = {c.estimate.name: c.verdict for c in plan.candidates}
     assert verdicts["dense"] == verdicts["subgroup_capacity"] == "not requested"
+    assert verdicts[other.name] == "slower (estimated)"
 
 
 def test_capacity_pick_and_what_the_others_would_do():
@@ -222,4 +224,107 @@ def test_candidate_json_carries_the_derived_numbers(hardware):
         ]
         assert d["flops"] == e.flops and d["rows"] == e.rows and d["fits"] == e.fits
         tiles += len(d["tile_options"])
+        # The grouped matmul's tiling is the megablox candidates' (and reported).
+        megablox = e.strategy.value == "megablox"
+        assert (e.tiling is not None) == megablox, e.name
+        assert d["tiling"] == (dataclasses.asdict(e.tiling) if megablox else None)
     assert (tiles > 0) == (hardware == "v5p")
+
+
+@pytest.mark.parametrize(
+    "hardware, backend",
+    [("cpu", "all_to_all"), ("v5p", "ragged_all_to_all"), ("h200", "ragged_all_to_all")],
+)
+def test_rows_cross_by_the_platforms_collective(hardware, backend):
+    """XLA:CPU has no ragged all-to-all: the exchange pads its buffers there; TPU and
+    GPU send exactly the rows (the layers build the collective the plan names)."""
+    _, plan = _plan(*FSDP2_CP4, f"hardware={hardware}", "num_devices=8")
+    assert plan.exchange_backend == plan.as_dict()["exchange_backend"] == backend
+
+
+def test_one_expert_is_a_plain_mlp_and_says_so():
+    _, plan = _plan(*FSDP2_CP4, "num_experts=1", "num_experts_per_tok=1")
+    assert plan.strategy.value == "mlp"
+    assert plan.reason == "num_experts=1: a plain SwiGLU MLP, nothing to route"
+    verdicts = {c.estimate.name: c.verdict for c in plan.candidates}
+    assert verdicts.pop("mlp") == "chosen"
+    assert set(verdicts.values()) == {"one expert: nothing to route"}
+
+
+def test_nothing_fits_and_dropless_asked_the_capacity_path_is_not_the_pick():
+    """capacity_factor <= 0 asks for dropless routing: when nothing fits, the candidate
+    shown is the dropless one holding the least, even where the capacity path would hold
+    less (its estimate set to the least here)."""
+    from selector.policy import choose
+
+    cfg, plan = _plan(*FSDP2_CP4)
+    estimates = {}
+    for i, c in enumerate(plan.candidates):
+        held = 1.0 if c.strategy.value == "subgroup_capacity" else 2.0**30 * (i + 1)
+        estimates[(c.strategy, c.exchange)] = dataclasses.replace(
+            c.estimate, fits=False, compiled_step_bytes=held
+        )
+    chosen, reason, verdicts = choose(cfg, estimates)
+    least = min(
+        (k for k in estimates if k[0].value != "subgroup_capacity"),
+        key=lambda k: estimates[k].device_bytes,
+    )
+    assert chosen == least
+    assert reason == "no candidate fits in memory; the one holding the least is shown"
+    assert verdicts[chosen] == "chosen: holds the least, still too much"
+
+
+def test_capacity_asked_but_over_the_chip_falls_back_to_the_fastest_dropless():
+    """capacity_factor=1.5 with the capacity path over the chip (26.5 MB a device at
+    0.022 GiB = 23.6 MB) and the dropless ones under it: the fastest dropless runs."""
+    cfg = selector.to_config(
+        selector.compose([*FSDP2_CP4, "capacity_factor=1.5", "hardware.memory_gib=0.022"])
+    )
+    plan, _ = analyse(cfg)
+    by_name = {c.estimate.name: c for c in plan.candidates}
+    assert not by_name["subgroup_capacity"].estimate.fits
+    assert plan.strategy.value == "megablox"
+    assert plan.reason.startswith("fastest dropless candidate that fits")
+
+
+GROUPS = {
+    "decode": (
+        ("mode=decode", "ici_fsdp_parallelism=2", "ici_context_autoregressive_parallelism=4"),
+        (),
+        "at mode=decode each sequence feeds one new token, which the sequence axes "
+        "(context_autoregressive=4) do not split, so they cannot join the expert group",
+    ),
+    "expert only": (
+        (
+            "expert_group=expert",
+            "ici_fsdp_parallelism=2",
+            "ici_context_parallelism=2",
+            "ici_context_usp_ulysses_parallelism=2",
+        ),
+        (),
+        "expert_group=expert leaves the sequence axes (context=2 x context_usp_ulysses=2) out",
+    ),
+    "auto, indivisible": (
+        ("num_experts=12", "ici_expert_parallelism=2", "ici_context_parallelism=4"),
+        ("expert",),
+        "expert_group=auto leaves the sequence axes (context=4) out, since with them the "
+        "group of 8 devices would not split num_experts=12",
+    ),
+    "auto, folded": (
+        ("ici_expert_parallelism=2", "ici_context_parallelism=4"),
+        ("expert", "context"),
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPS))
+def test_the_expert_group_and_why_sequence_axes_stay_out(case):
+    from selector.placement import GroupAxes, exchange_group
+
+    overrides, axes, why = GROUPS[case]
+    over = [*BASE, "ici_fsdp_parallelism=1", *overrides]
+    cfg = selector.to_config(selector.compose(over))
+    plan, _ = analyse(cfg)
+    folded = tuple(a for a in axes if a != "expert")
+    assert exchange_group(cfg, plan.mesh) == GroupAxes(axes, folded, why)

@@ -1,0 +1,156 @@
+"""Mutation testing of the modules the selector's numbers and the layers' exchange rest
+on, with mutmut (issue 29 line 5). Not part of the suite: a full pass is hours on two
+cores.
+
+    python -m checks.mutate selector               # every mutant of cost, memory, placement, policy
+    python -m checks.mutate layers --sample 20     # 20 mutants a module, drawn with --seed
+    python -m checks.mutate selector --sample 40 --seed 0
+
+Each part has its own modules and its own tests (PARTS): every selector test reaches
+every selector function through `resolve`, so a surviving mutant costs its part's whole
+selection, and the layer tests (minutes) would be run for every selector mutant if the
+two shared one. A part runs in build/mutate-<part>/, a copy of the tracked files whose
+pyproject.toml names the part's modules and tests; mutmut keeps its results there
+(`mutmut show NAME` inside it shows one). The summary counts, per module, the mutants
+killed and those that survived, with each survivor's diff; a sample states how many
+mutants it drew of how many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PARTS = {
+    "selector": {
+        "modules": (
+            "selector/cost.py",
+            "selector/memory_model.py",
+            "selector/placement.py",
+            "selector/policy.py",
+        ),
+        "tests": (
+            "tests/test_cost.py",
+            "tests/test_memory_model.py",
+            "tests/test_selector_decisions.py",
+            "tests/test_selector_api.py",
+            "tests/test_selector_findings.py",
+            "tests/test_candidate_plan.py",
+            "tests/test_whole_model.py",
+            "tests/test_report_text.py",
+        ),
+    },
+    "layers": {
+        "modules": ("layers/expert_parallel.py", "layers/grouped_matmul.py"),
+        "tests": ("tests/test_grouped_matmul.py", "tests/test_expert_parallel.py"),
+    },
+}
+
+
+def mutant_names(module: str) -> list[str]:
+    """Every mutant mutmut makes of `module`, by the names `mutmut run` takes."""
+    from mutmut.mutation.file_mutation import mutate_file_contents
+    from mutmut.utils.format_utils import get_mutant_name
+
+    path = Path(module)
+    mutated = mutate_file_contents(module, (ROOT / path).read_text())
+    return sorted(get_mutant_name(path, name) for name in mutated.mutant_names)
+
+
+def toml_list(items) -> str:
+    return "[" + ", ".join(f'"{i}"' for i in items) + "]"
+
+
+def workdir(part: str) -> Path:
+    """build/mutate-<part>: the tracked files, with [tool.mutmut] set to the part."""
+    work = ROOT / "build" / f"mutate-{part}"
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    for name in tracked:
+        src, dst = ROOT / name, work / name
+        if src.is_file() and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    spec = PARTS[part]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pyproject = re.sub(
+        r"(?m)^only_mutate = \[[^\]]*\]", f"only_mutate = {toml_list(spec['modules'])}", pyproject
+    )
+    pyproject = re.sub(
+        r"(?m)^pytest_add_cli_args_test_selection = \[[^\]]*\]",
+        f"pytest_add_cli_args_test_selection = {toml_list(spec['tests'])}",
+        pyproject,
+    )
+    (work / "pyproject.toml").write_text(pyproject)
+    return work
+
+
+def results(work: Path) -> dict[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=sorted(PARTS))
+    ap.add_argument("--sample", type=int, metavar="N", help="N mutants a module, drawn")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-children", type=int, default=2)
+    args = ap.parse_args(argv)
+    spec = PARTS[args.part]
+    work = workdir(args.part)
+    names: list[str] = []
+    drawn = {}
+    rng = random.Random(args.seed)  # one draw across the part's modules, in PARTS order
+    for module in spec["modules"]:
+        every = mutant_names(module)
+        chosen = rng.sample(every, min(args.sample, len(every))) if args.sample else every
+        drawn[module] = (len(chosen), len(every))
+        names += chosen
+    run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
+    # Named mutants are run even when a result is stored (a sample is re-judged whole).
+    code = subprocess.run(run + (names if args.sample else []), cwd=work).returncode
+    if code != 0:
+        return code
+    status = results(work)
+    print(f"\nmutation testing, part {args.part!r} (mutmut; results in {work}):")
+    survivors = []
+    for module in spec["modules"]:
+        prefix = module[:-3].replace("/", ".") + "."
+        mine = [n for n in names if n.startswith(prefix)]
+        judged = {n: status.get(n, "not checked") for n in mine}
+        killed = sum(s == "killed" for s in judged.values())
+        survived = [n for n, s in judged.items() if s != "killed"]
+        survivors += survived
+        taken, total = drawn[module]
+        of = (
+            f"a sample of {taken} of {total} mutants (seed {args.seed})"
+            if args.sample
+            else f"{total} mutants"
+        )
+        print(f"  {module}: {killed} of {len(mine)} killed ({of})")
+    for name in survivors:
+        print(f"\n{name}: {status.get(name)}")
+        shown = subprocess.run(
+            [sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True
+        ).stdout
+        print("\n".join(line for line in shown.splitlines() if line[:2] in ("- ", "+ ")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
