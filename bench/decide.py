@@ -100,6 +100,12 @@ BOUNDARY = [
     ({"fsdp": 2, "context": 4}, 128, 8, 4096, 128, 256, "prefill"),
     ({"context": 8}, 96, 3, 2048, 192, 384, "train"),
 ]
+# (name, configs, the payload key of their rows): the sets in the order they are reported.
+SETS = (
+    ("fit", FIT, "fit_rows"),
+    ("held out", HELD_OUT, "held_rows"),
+    ("boundary (held out)", BOUNDARY, "boundary_rows"),
+)
 
 
 def overrides(
@@ -143,29 +149,34 @@ def label(point) -> str:
     return f"{mode} [{axes}] E={experts} k={top_k} seq={seq} M={emb} H={hidden}"
 
 
-def terms_of(point, hardware: str = "cpu", devices: int = 8) -> dict[str, dict]:
-    """Each candidate's cost-model terms and program for one config, by candidate name:
-    a pure function of the config, so stored timings can be judged under today's model."""
-    import selector
+def candidate_terms(c, config) -> dict:
+    """One plan candidate's cost-model terms and time-model program."""
     from selector.cost import program_of
     from selector.memory_model import program_key
 
+    compute, hbm, network = c.estimate.time_parts
+    return {
+        "program": program_of(program_key(c.strategy, c.exchange, config)),
+        "terms": {"compute": compute, "hbm": hbm, "network": network, "step": 1.0},
+    }
+
+
+def terms_of(point, hardware: str = "cpu", devices: int = 8) -> dict[str, dict]:
+    """Each candidate's terms and program for one config, by candidate name: a pure
+    function of the config, so stored timings can be judged under today's model."""
+    import selector
+
     config = selector.to_config(selector.compose(overrides(*point, hardware, devices)))
-    out = {}
-    for c in selector.resolve(config).candidates:
-        compute, hbm, network = c.estimate.time_parts
-        out[c.estimate.name] = {
-            "program": program_of(program_key(c.strategy, c.exchange, config)),
-            "terms": {"compute": compute, "hbm": hbm, "network": network, "step": 1.0},
-        }
-    return out
+    return {
+        c.estimate.name: candidate_terms(c, config) for c in selector.resolve(config).candidates
+    }
 
 
 def recount(payload: dict) -> dict:
     """The stored rows' terms recounted by today's cost model (the timings stay): a fit
     or a judgement on terms the selector no longer computes would describe another
     model."""
-    for sink, points in (("fit_rows", FIT), ("held_rows", HELD_OUT), ("boundary_rows", BOUNDARY)):
+    for _, points, sink in SETS:
         for row, point in zip(payload.get(sink, []), points, strict=False):
             assert row["label"] == label(point), (row["label"], label(point))
             now = terms_of(point)
@@ -181,8 +192,6 @@ def measure(point, hardware: str = "cpu") -> dict:
     import selector
     from checks.measure_mode import timeable
     from checks.measured import time_candidates
-    from selector.cost import program_of
-    from selector.memory_model import program_key
 
     devices = jax.device_count() if LIVE else 8
     point = on_devices(point, devices)
@@ -199,12 +208,10 @@ def measure(point, hardware: str = "cpu") -> dict:
         key = (c.strategy, c.exchange)
         if key not in times:
             continue
-        compute, hbm, network = c.estimate.time_parts
         candidates.append(
             {
                 "name": c.estimate.name,
-                "program": program_of(program_key(*key, config)),
-                "terms": {"compute": compute, "hbm": hbm, "network": network, "step": 1.0},
+                **candidate_terms(c, config),
                 "estimated_s": c.estimate.time_s,
                 "times_s": times[key],
                 "median_s": float(np.median(times[key])),
@@ -312,18 +319,12 @@ def report(payload: dict, write: bool) -> dict:
     payload["time_model"] = model
     payload["summary"] = []
     for model_name, m in (("unfitted", None), ("fitted", model)):
-        for set_name, rows in (("fit", payload["fit_rows"]), ("held out", payload["held_rows"])):
-            payload["summary"].append(
-                {**summarise(set_name, decisions(rows, m)), "model": model_name}
-            )
+        for set_name, _, sink in SETS:
+            if payload.get(sink):
+                payload["summary"].append(
+                    {**summarise(set_name, decisions(payload[sink], m)), "model": model_name}
+                )
     if payload.get("boundary_rows"):
-        for model_name, m in (("unfitted", None), ("fitted", model)):
-            payload["summary"].append(
-                {
-                    **summarise("boundary (held out)", decisions(payload["boundary_rows"], m)),
-                    "model": model_name,
-                }
-            )
         payload["boundary_decisions"] = decisions(payload["boundary_rows"], model)
         print(table(payload["boundary_decisions"], COLUMNS))
         print()
@@ -416,6 +417,19 @@ def plot(payload: dict):
     return fig
 
 
+def time_points(name: str, points, hardware: str) -> list[dict]:
+    """`measure` each config, saying how far it has got."""
+    print(f"{name}: {len(points)} configs", flush=True)
+    rows = []
+    for i, point in enumerate(points):
+        rows.append(measure(point, hardware))
+        said = ", ".join(
+            f"{c['name']} {c['median_s'] * 1e3:.3g} ms" for c in rows[-1]["candidates"]
+        )
+        print(f"  [{i + 1}/{len(points)}] {rows[-1]['label']}: {said}", flush=True)
+    return rows
+
+
 def main() -> None:
     args = arguments(
         "decide",
@@ -462,12 +476,7 @@ def main() -> None:
         return
     if args.boundary:
         payload = recount(load("decide"))
-        payload["boundary_rows"] = []
-        for i, point in enumerate(BOUNDARY):
-            payload["boundary_rows"].append(measure(point, "cpu"))
-            print(
-                f"  [{i + 1}/{len(BOUNDARY)}] {payload['boundary_rows'][-1]['label']}", flush=True
-            )
+        payload["boundary_rows"] = time_points("boundary", BOUNDARY, "cpu")
         payload = report(payload, write=False)
         print("wrote", *save("decide", payload, plot(payload)))
         return
@@ -491,14 +500,9 @@ def main() -> None:
             )
         payload.update(platform=platform, devices=f"{len(devices)} x {devices[0].device_kind}")
     name_of = "decide" if not args.live else f"decide_{payload['platform']}"
-    for name, points, sink in (("fit", FIT, "fit_rows"), ("held out", HELD_OUT, "held_rows")):
+    for name, points, sink in SETS[:2]:
         points = points[: args.configs] if args.configs else points
-        print(f"{name}: {len(points)} configs", flush=True)
-        for i, point in enumerate(points):
-            payload[sink].append(measure(point, hardware))
-            row = payload[sink][-1]
-            said = ", ".join(f"{c['name']} {c['median_s'] * 1e3:.3g} ms" for c in row["candidates"])
-            print(f"  [{i + 1}/{len(points)}] {row['label']}: {said}", flush=True)
+        payload[sink] = time_points(name, points, hardware)
     payload = report(payload, args.write)
     print("wrote", *save(name_of, payload, plot(payload)))
 

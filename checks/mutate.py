@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     spec = PARTS[args.part]
     work = workdir(args.part)
-    names: list[str] = []
-    drawn = {}
     rng = random.Random(args.seed)  # one draw across the part's modules, in PARTS order
+    chosen: dict[str, list[str]] = {}
+    total: dict[str, int] = {}
     for module in spec["modules"]:
         every = mutant_names(module)
-        chosen = rng.sample(every, min(args.sample, len(every))) if args.sample else every
-        drawn[module] = (len(chosen), len(every))
-        names += chosen
+        total[module] = len(every)
+        chosen[module] = rng.sample(every, min(args.sample, len(every))) if args.sample else every
+    names = [n for module in spec["modules"] for n in chosen[module]]
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
     # Named mutants are run even when a result is stored (a sample is re-judged whole).
     code = subprocess.run(run + (names if args.sample else []), cwd=work).returncode
@@ -130,19 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmutation testing, part {args.part!r} (mutmut; results in {work}):")
     survivors = []
     for module in spec["modules"]:
-        prefix = module[:-3].replace("/", ".") + "."
-        mine = [n for n in names if n.startswith(prefix)]
-        judged = {n: status.get(n, "not checked") for n in mine}
-        killed = sum(s == "killed" for s in judged.values())
-        survived = [n for n, s in judged.items() if s != "killed"]
+        mine = chosen[module]
+        survived = [n for n in mine if status.get(n, "not checked") != "killed"]
         survivors += survived
-        taken, total = drawn[module]
         of = (
-            f"a sample of {taken} of {total} mutants (seed {args.seed})"
+            f"a sample of {len(mine)} of {total[module]} mutants (seed {args.seed})"
             if args.sample
-            else f"{total} mutants"
+            else f"{total[module]} mutants"
         )
-        print(f"  {module}: {killed} of {len(mine)} killed ({of})")
+        print(f"  {module}: {len(mine) - len(survived)} of {len(mine)} killed ({of})")
     for name in survivors:
         print(f"\n{name}: {status.get(name)}")
         shown = subprocess.run(

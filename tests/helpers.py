@@ -13,3 +13,13 @@ def typed(*overrides: str) -> Config:
 
 def codes(findings) -> set[str]:
     return {f.code for f in findings}
+
+
+def problem(*overrides: str):
+    """(config, plan, the per-device problem the cost and memory models price) for
+    `typed`'s config plus overrides."""
+    from selector.problem import problem_shape
+
+    cfg = typed(*overrides)
+    plan = selector.resolve(cfg)
+    return cfg, plan, problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)

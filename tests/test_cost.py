@@ -4,7 +4,7 @@ links it crosses (ICI within a slice, DCN across slices), priced at that link's 
 import json
 
 import pytest
-from helpers import codes, typed
+from helpers import codes, problem, typed
 
 import selector
 from selector import Dispatch, Exchange
@@ -337,19 +337,14 @@ def test_cpu_time_model_is_the_fit_of_todays_terms():
 
 
 def _exchanged_problem():
-    from selector.problem import problem_shape
-
-    cfg = typed(
-        "model=tiny",
-        "mesh=cpu_8",
+    *_, p = problem(
         "allow_local_batch_inflation=true",
         "ici_data_parallelism=1",
         "ici_fsdp_parallelism=2",
         "ici_context_parallelism=4",
         "expert_exchange=all_to_all",
     )
-    plan = selector.resolve(cfg)
-    return problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    return p
 
 
 @pytest.mark.parametrize(
@@ -391,16 +386,11 @@ def test_shared_experts_add_every_tokens_three_matmuls(shared):
     FLOPs a token, hidden = shared_experts x base_moe_mlp_dim (tiny: emb 64, hidden 128),
     on each of the device's tokens; training counts the pass three times over."""
     from selector.cost import forward_flops
-    from selector.problem import problem_shape
 
-    over = ("model=tiny", "mesh=cpu_8", "ici_fsdp_parallelism=8", "ici_data_parallelism=1")
-    cfg = typed(*over, f"shared_experts={shared}")
-    plan = selector.resolve(cfg)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    _, plan, p = problem(*over, f"shared_experts={shared}")
     assert p.Hs == shared * 128
-    without = typed(*over)
-    plan0 = selector.resolve(without)
-    p0 = problem_shape(without, plan0.mesh, plan0.per_device, plan0.placement)
+    _, plan0, p0 = problem(*over)
     added = 6 * p.T * 64 * shared * 128
     assert forward_flops(plan.strategy, p) - forward_flops(plan.strategy, p0) == added
     assert plan.chosen_estimate.flops - plan0.chosen_estimate.flops == 3 * added
@@ -409,7 +399,7 @@ def test_shared_experts_add_every_tokens_three_matmuls(shared):
 def test_every_layer_adds_the_same_weights_gradients_and_state():
     """One decoder layer more adds one layer's parameters, gradients and AdamW state at
     rest, whatever the count (a one-layer model included)."""
-    over = ("model=tiny", "mesh=cpu_8", "ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
     steps = [
         selector.resolve(typed(*over, f"base_num_decoder_layers={n}")).chosen_estimate.step
         for n in (1, 2, 3)
@@ -426,10 +416,8 @@ def test_an_unusable_time_calibration_scales_nothing(tmp_path):
 
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    over = ("model=tiny", "mesh=cpu_8")
-    assert "TIME_CALIBRATION_INVALID" in codes(
-        selector.validate(typed(*over, f"time_calibration={bad}"))
-    )
+    unusable = typed(f"time_calibration={bad}")
+    assert "TIME_CALIBRATION_INVALID" in codes(selector.validate(unusable))
     for program in ("cpu train megablox", "cpu prefill dense"):
-        assert time_factor(typed(*over, f"time_calibration={bad}"), program) == 1.0
-        assert time_factor(typed(*over), program) == 1.0
+        assert time_factor(unusable, program) == 1.0
+        assert time_factor(typed(), program) == 1.0

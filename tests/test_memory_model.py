@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import typed
+from helpers import problem, typed
 
 import selector
 from selector.memory_model import COMPILER_FACTOR, held_buffers, weight_copy_bytes
-from selector.problem import problem_shape
 
 HOLDOUT = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory_holdout.json"
 QWEN3_30B = (  # one layer of the preset on 64 v5p chips, cp=2, one 8,192-token sequence a shard
@@ -31,9 +30,7 @@ QWEN3_30B = (  # one layer of the preset on 64 v5p chips, cp=2, one 8,192-token 
 
 
 def held(*over, release=(0, 12)):
-    cfg = typed(*QWEN3_30B, *over)
-    plan = selector.resolve(cfg)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    cfg, plan, p = problem(*QWEN3_30B, *over)
     platform = cfg.hardware.platform
     return held_buffers(plan.strategy, plan.placement.exchange, p, platform, release), plan
 
@@ -143,9 +140,7 @@ def test_the_jax_release_is_read_without_importing_jax():
 
 
 def _tiny_held(*over):
-    cfg = typed("model=tiny", "mesh=cpu_8", "ici_data_parallelism=1", *over)
-    plan = selector.resolve(cfg)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    _, plan, p = problem("ici_data_parallelism=1", *over)
     return held_buffers(plan.strategy, plan.placement.exchange, p, "tpu"), p
 
 
@@ -196,9 +191,9 @@ def test_xla_cpu_at_half_precision_is_its_own_program_family(dtype, family):
     from selector.config import Dispatch, Exchange
     from selector.memory_model import program_key
 
-    cfg = typed("model=tiny", "mesh=cpu_8", f"dtype={dtype}")
+    cfg = typed(f"dtype={dtype}")
     assert program_key(Dispatch.megablox, Exchange.gather, cfg) == f"{family} train megablox"
-    tpu = typed("model=tiny", "hardware=v5p", "num_devices=8", f"dtype={dtype}")
+    tpu = typed("hardware=v5p", "num_devices=8", f"dtype={dtype}")
     assert program_key(Dispatch.dense, Exchange.gather, tpu) == "tpu train dense"
 
 

@@ -6,22 +6,18 @@ testing (`nox -s mutate`) found every one of them unguarded."""
 import dataclasses
 
 import pytest
+from helpers import typed
 
 import selector
 from selector.placement import describe
 from selector.plan import analyse
 
-BASE = (
-    "model=tiny",
-    "mesh=cpu_8",
-    "allow_local_batch_inflation=true",
-    "ici_data_parallelism=1",
-)
+BASE = ("allow_local_batch_inflation=true", "ici_data_parallelism=1")  # beside typed's
 FSDP2_CP4 = (*BASE, "ici_fsdp_parallelism=2", "ici_context_parallelism=4")
 
 
 def _plan(*overrides: str):
-    cfg = selector.to_config(selector.compose(list(overrides)))
+    cfg = typed(*overrides)
     return cfg, selector.resolve(cfg)
 
 
@@ -174,7 +170,7 @@ def _gib(x: float) -> str:
 def test_over_the_chip_says_what_it_needs(memory_gib):
     """At 0.015 GiB only the exchange fits and wins; at 0.0001 nothing fits and the
     least-holding candidate is shown."""
-    cfg = selector.to_config(selector.compose([*FSDP2_CP4, f"hardware.memory_gib={memory_gib}"]))
+    cfg = typed(*FSDP2_CP4, f"hardware.memory_gib={memory_gib}")
     plan, _ = analyse(cfg)
     limit = _gib(memory_gib * 2**30)
     fits = [c for c in plan.candidates if c.estimate.fits]
@@ -277,9 +273,7 @@ def test_nothing_fits_and_dropless_asked_the_capacity_path_is_not_the_pick():
 def test_capacity_asked_but_over_the_chip_falls_back_to_the_fastest_dropless():
     """capacity_factor=1.5 with the capacity path over the chip (26.5 MB a device at
     0.022 GiB = 23.6 MB) and the dropless ones under it: the fastest dropless runs."""
-    cfg = selector.to_config(
-        selector.compose([*FSDP2_CP4, "capacity_factor=1.5", "hardware.memory_gib=0.022"])
-    )
+    cfg = typed(*FSDP2_CP4, "capacity_factor=1.5", "hardware.memory_gib=0.022")
     plan, _ = analyse(cfg)
     by_name = {c.estimate.name: c for c in plan.candidates}
     assert not by_name["subgroup_capacity"].estimate.fits
@@ -323,8 +317,7 @@ def test_the_expert_group_and_why_sequence_axes_stay_out(case):
     from selector.placement import GroupAxes, exchange_group
 
     overrides, axes, why = GROUPS[case]
-    over = [*BASE, "ici_fsdp_parallelism=1", *overrides]
-    cfg = selector.to_config(selector.compose(over))
+    cfg = typed(*BASE, "ici_fsdp_parallelism=1", *overrides)
     plan, _ = analyse(cfg)
     folded = tuple(a for a in axes if a != "expert")
     assert exchange_group(cfg, plan.mesh) == GroupAxes(axes, folded, why)
