@@ -121,16 +121,21 @@ def pallas_m_tiles(
     together); an empty group's visit (`visit_empty`) lands on the tile holding its
     offset, or the array's last tile for an offset past it."""
     last = max(-(-array_rows // tm), 1) - 1
-    seen: set[int] = set()
+    spans = []  # [first, end) tile ranges, one a visited group: as many as groups, not rows
     start = 0
     for size in group_sizes:
         end = start + size
         if size > 0:
-            seen.update(range(start // tm, -(-end // tm)))
+            spans.append((start // tm, -(-end // tm)))
         elif visit_empty:
-            seen.add(min(start // tm, last))
+            tile = min(start // tm, last)
+            spans.append((tile, tile + 1))
         start = end
-    return len(seen)
+    distinct, covered = 0, 0  # tiles counted; every tile below `covered` is counted
+    for first, stop in sorted(spans):
+        distinct += max(stop - max(first, covered), 0)
+        covered = max(covered, stop)
+    return distinct
 
 
 def _gmm_fetches(visits: int, m_tiles: int, groups: int, tiles_k: int, tiles_n: int):

@@ -54,6 +54,7 @@ CASES = [
         ("per_device_batch_size=1e-12",),
         ("per_device_batch_size=1",),
     ),
+    ("VALUE_TOO_LARGE", "error", ("num_experts=100000",), ("num_experts=8",)),
     (
         "BATCH_NOT_DIVISIBLE",
         "error",

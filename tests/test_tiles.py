@@ -106,6 +106,21 @@ def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
         assert tiles.pallas_m_tiles(sizes, tm, ROWS, visit_empty=visit_empty) == distinct
 
 
+
+def test_distinct_m_tiles_are_counted_per_group_not_per_row():
+    """A device's rows can number billions (a typo's batch): the count holds one span a
+    group, not a tile a row block. Measured with tracemalloc at 2**24 rows (a set of
+    the 2**17 tiles would take megabytes); 2**40 rows then run in no more."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        assert tiles.pallas_m_tiles([0, 2**24, 0], 128, 2**24 + 1, visit_empty=True) == 2**17 + 1
+        assert tracemalloc.get_traced_memory()[1] < 64 * 1024
+    finally:
+        tracemalloc.stop()
+    assert tiles.pallas_m_tiles([2**40], 128, 2**40) == 2**33
+
 def _moves(indices) -> int:
     """Block transfers of a grid walk: one for every step whose block index differs from
     the previous step's (Pallas's TPU pipeline fetches, or writes back, only then)."""

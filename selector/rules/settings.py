@@ -94,15 +94,35 @@ def non_finite(cfg: Config) -> list[Finding]:
 
 
 MAX_TOKENS = 2**40  # per device per step: far beyond any machine
+# The kernels' schedules are counted expert by expert (selector.tiles), so the count's
+# time and memory grow with num_experts: 2**31 experts would hold every group's size in
+# memory before a word is printed. 65,536 is 128 times the most routed experts of any
+# model preset (Qwen3-Next's 512) and is counted in under a second.
+MAX_EXPERTS = 2**16
 
 
 def sizes_in_range(cfg: Config) -> list[Finding]:
-    """Sizes past any machine (a typo's 1e300) would only overflow the arithmetic."""
+    """Sizes past any machine (a typo's 1e300) would only overflow the arithmetic, and
+    an expert count past MAX_EXPERTS would only exhaust the counting's memory."""
     if not all(0 < getattr(cfg, n) < math.inf for n in POSITIVE):
         return []  # positive_dims says so
+    found = []
+    if cfg.num_experts > MAX_EXPERTS:
+        found.append(
+            error(
+                "VALUE_TOO_LARGE",
+                "num_experts",
+                f"num_experts={cfg.num_experts:,} is more than {MAX_EXPERTS:,} experts, the "
+                "most the selector counts (its count of the grouped matmul's schedule goes "
+                "expert by expert; the largest preset routes 512). Check the value.",
+                [fix(num_experts=_default(Config, "num_experts"))],
+                no_fix="The count is the model's: give num_experts the model's own value, or "
+                "pick its preset with model=<name>.",
+            )
+        )
     if cfg.per_device_batch_size * cfg.max_target_length <= MAX_TOKENS:
-        return []
-    return [
+        return found
+    return found + [
         error(
             "VALUE_TOO_LARGE",
             "per_device_batch_size",
