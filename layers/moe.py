@@ -153,6 +153,14 @@ def sharded_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w:
     return fn(x_BSM, w)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _compiled_forward(strategy: Dispatch, layout: Layout, spec: MoESpec, x_BSM, w):
+    """`sharded_forward` compiled once per (strategy, layout, spec) and input shapes. A
+    block called outside any trace would otherwise run its shard_map body op by op
+    (the tiny model on 8 CPU devices: 13.6 s every call; compiled, 1.8 s the first)."""
+    return sharded_forward(strategy, layout, spec, x_BSM, w)
+
+
 class HeldPlan:
     """The plan a block was built from, kept to re-plan it at other input shapes.
 
@@ -445,7 +453,12 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x_BSM):
         plan, layout, spec = self.at_shape(x_BSM.shape)
-        return sharded_forward(plan.strategy, layout, spec, x_BSM, self.weights())
+        w = self.weights()
+        # Inside the caller's jit or grad the block is part of their program; called on
+        # concrete arrays it is compiled on its own, once per shape.
+        traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((x_BSM, w)))
+        forward = sharded_forward if traced else _compiled_forward
+        return forward(plan.strategy, layout, spec, x_BSM, w)
 
     def at_shape(self, shape) -> tuple[DispatchPlan, Layout, MoESpec]:
         """(plan, layout, spec) for a global (batch, sequence, emb) input: the built ones

@@ -50,6 +50,28 @@ def test_reported_case_builds_and_runs_forward_and_backward(jax_cpu8):
     assert float(jnp.abs(grads["wi_0"][...]).sum()) > 0
 
 
+
+def test_an_eager_call_is_compiled_once_and_matches_the_traced_block(jax_cpu8):
+    """Called on concrete arrays (evaluation outside jit) the block compiles its program
+    once per shape instead of running the shard_map body op by op, and gives what the
+    same block gives inside the caller's jit, statistics included."""
+    from layers import moe
+
+    cfg = selector.compose([*REPORTED_TINY[:4], "max_target_length=64", "dtype=float32"])
+    plan = selector.resolve(cfg)
+    model = layers.MoEBlock(
+        cfg, mesh=layers.mesh_for_plan(plan, jax.devices()[:8]), plan=plan, rngs=nnx.Rngs(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (2, 64, 64))
+    compiled_before = moe._compiled_forward._cache_size()
+    y_eager, stats_eager = model(x)
+    model(x)
+    assert moe._compiled_forward._cache_size() == compiled_before + 1
+    y_jit, stats_jit = nnx.jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_allclose(np.asarray(y_eager), np.asarray(y_jit), rtol=1e-6, atol=1e-6)
+    for name, value in stats_jit.items():
+        np.testing.assert_allclose(np.asarray(stats_eager[name]), np.asarray(value), rtol=1e-6)
+
 def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
     cfg = selector.compose(
         [
