@@ -50,7 +50,6 @@ def test_reported_case_builds_and_runs_forward_and_backward(jax_cpu8):
     assert float(jnp.abs(grads["wi_0"][...]).sum()) > 0
 
 
-
 def test_an_eager_call_is_compiled_once_and_matches_the_traced_block(jax_cpu8):
     """Called on concrete arrays (evaluation outside jit) the block compiles its program
     once per shape instead of running the shard_map body op by op, and gives what the
@@ -71,6 +70,7 @@ def test_an_eager_call_is_compiled_once_and_matches_the_traced_block(jax_cpu8):
     np.testing.assert_allclose(np.asarray(y_eager), np.asarray(y_jit), rtol=1e-6, atol=1e-6)
     for name, value in stats_jit.items():
         np.testing.assert_allclose(np.asarray(stats_eager[name]), np.asarray(value), rtol=1e-6)
+
 
 def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
     cfg = selector.compose(

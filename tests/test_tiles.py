@@ -106,7 +106,6 @@ def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
         assert tiles.pallas_m_tiles(sizes, tm, ROWS, visit_empty=visit_empty) == distinct
 
 
-
 def test_distinct_m_tiles_are_counted_per_group_not_per_row():
     """A device's rows can number billions (a typo's batch): the count holds one span a
     group, not a tile a row block. Measured with tracemalloc at 2**24 rows (a set of
@@ -120,6 +119,7 @@ def test_distinct_m_tiles_are_counted_per_group_not_per_row():
     finally:
         tracemalloc.stop()
     assert tiles.pallas_m_tiles([2**40], 128, 2**40) == 2**33
+
 
 def _moves(indices) -> int:
     """Block transfers of a grid walk: one for every step whose block index differs from
