@@ -62,10 +62,10 @@ def test_an_eager_call_is_compiled_once_and_matches_the_traced_block(jax_cpu8):
         cfg, mesh=layers.mesh_for_plan(plan, jax.devices()[:8]), plan=plan, rngs=nnx.Rngs(0)
     )
     x = jax.random.normal(jax.random.key(1), (2, 64, 64))
-    compiled_before = moe._compiled_forward._cache_size()
+    moe._compiled_forward.clear_cache()  # another test may have compiled this shape
     y_eager, stats_eager = model(x)
     model(x)
-    assert moe._compiled_forward._cache_size() == compiled_before + 1
+    assert moe._compiled_forward._cache_size() == 1
     y_jit, stats_jit = nnx.jit(lambda m, x: m(x))(model, x)
     np.testing.assert_allclose(np.asarray(y_eager), np.asarray(y_jit), rtol=1e-6, atol=1e-6)
     for name, value in stats_jit.items():
