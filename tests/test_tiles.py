@@ -32,6 +32,8 @@ CASES = [
     [1000],  # one expert
     [127, 1, 129, 255, 0, 64, 64, 513],  # around the tile edges
     [17, 250, 3, 90, 44, 0, 611, 5],  # uneven
+    [4096, 4096],  # the whole array: the empty groups after it start past its last tile
+    [128, 1],  # a lone row on a tile of its own
 ]
 
 
@@ -106,6 +108,18 @@ def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
         assert tiles.pallas_m_tiles(sizes, tm, ROWS, visit_empty=visit_empty) == distinct
 
 
+@pytest.mark.parametrize("tm", [128, 16])
+@pytest.mark.parametrize("fill", ["whole", "halves", "few"])
+def test_distinct_m_tiles_on_an_array_of_one_tile(fill, tm):
+    """An array no longer than a tile: every visit, an empty group's past the array
+    included, lands on its one tile."""
+    sizes = {"whole": [tm, 0, 0], "halves": [tm // 2, tm // 2, 0], "few": [0, 3, 0]}[fill]
+    for visit_empty in (False, True):
+        _, m_tile_ids, expected = _metadata(sizes, tm, tm, visit_empty)
+        distinct = len(set(m_tile_ids[:expected].tolist()))
+        assert tiles.pallas_m_tiles(sizes, tm, tm, visit_empty=visit_empty) == distinct
+
+
 def test_distinct_m_tiles_are_counted_per_group_not_per_row():
     """A device's rows can number billions (a typo's batch): the count holds one span a
     group, not a tile a row block. Measured with tracemalloc at 2**24 rows (a set of
@@ -118,7 +132,8 @@ def test_distinct_m_tiles_are_counted_per_group_not_per_row():
         assert tracemalloc.get_traced_memory()[1] < 64 * 1024
     finally:
         tracemalloc.stop()
-    assert tiles.pallas_m_tiles([2**40], 128, 2**40) == 2**33
+    count = tiles.pallas_m_tiles([2**40], 128, 2**40)
+    assert count == 2**33 and type(count) is int  # exact: a float has 53 bits
 
 
 def _moves(indices) -> int:
