@@ -467,3 +467,39 @@ def test_a_fix_that_unsets_a_setting_is_spelled_as_hydra_reads_it():
     rendered = fix(num_devices=None).render()
     assert rendered == "num_devices=null"
     assert selector.to_config(selector.compose(["model=tiny", rendered])).num_devices is None
+
+
+def test_sizes_past_the_count_are_refused_at_their_bound():
+    """num_experts is counted up to MAX_EXPERTS and refused past it, on its own setting
+    with the bound in the message; where the schema default fails the next check (the
+    default model routes 10 a token), the finding says what to do instead. The tokens
+    bound names per_device_batch_size and offers the defaults. A non-finite size is
+    VALUE_NOT_FINITE's alone."""
+    from selector.rules.settings import MAX_EXPERTS, MAX_TOKENS
+
+    assert "VALUE_TOO_LARGE" not in codes(selector.validate(typed(f"num_experts={MAX_EXPERTS}")))
+    (found,) = [
+        f
+        for f in selector.validate(typed(f"num_experts={MAX_EXPERTS + 1}"))
+        if f.code == "VALUE_TOO_LARGE"
+    ]
+    assert found.setting == "num_experts" and f"{MAX_EXPERTS:,} experts" in found.message
+    assert [dict(f.overrides) for f in found.fixes] == [{"num_experts": 8}]
+    (alone,) = selector.validate({"num_experts": 2**31})  # the default model, k = 10
+    assert alone.code == "VALUE_TOO_LARGE" and not alone.fixes
+    assert alone.message.endswith(
+        "give num_experts the model's own value, or pick its preset with model=<name>."
+    )
+    seq = 8192
+    (tokens,) = [
+        f
+        for f in selector.validate(
+            typed(f"max_target_length={seq}", f"per_device_batch_size={MAX_TOKENS // seq + 1}")
+        )
+        if f.code == "VALUE_TOO_LARGE"
+    ]
+    assert tokens.setting == "per_device_batch_size" and f"{MAX_TOKENS:,} tokens" in tokens.message
+    assert {k for f in tokens.fixes for k, _ in f.overrides} >= {"per_device_batch_size"}
+    edge = typed(f"max_target_length={seq}", f"per_device_batch_size={MAX_TOKENS // seq}")
+    assert "VALUE_TOO_LARGE" not in codes(selector.validate(edge))
+    assert codes(selector.validate(typed("per_device_batch_size=inf"))) == {"VALUE_NOT_FINITE"}
