@@ -68,6 +68,11 @@ def _jitted_metadata(sizes, m: int, tm: int, visit_empty: bool):
     )
 
 
+def _kernel_m_tiles(m_tile_ids, num_tiles: int) -> int:
+    """Distinct m tiles among the schedule's first `num_tiles` visits."""
+    return len(set(m_tile_ids[:num_tiles].tolist()))
+
+
 def _metadata(sizes, m: int, tm: int, visit_empty: bool):
     """The Pallas kernel's own schedule: (group_ids, m_tile_ids, num_tiles)."""
     padded = -(-max(m, 1) // tm) * tm  # as layers/pallas_gmm.py pads the rows
@@ -104,7 +109,7 @@ def test_pallas_tiles_are_make_group_metadatas(sizes, tm):
     for visit_empty in (False, True):
         _, m_tile_ids, expected = _metadata(sizes, ROWS, tm, visit_empty)
         assert tiles.pallas_tiles(sizes, tm, visit_empty=visit_empty) == expected
-        distinct = len(set(m_tile_ids[:expected].tolist()))
+        distinct = _kernel_m_tiles(m_tile_ids, expected)
         assert tiles.pallas_m_tiles(sizes, tm, ROWS, visit_empty=visit_empty) == distinct
 
 
@@ -116,7 +121,7 @@ def test_distinct_m_tiles_on_an_array_of_one_tile(fill, tm):
     sizes = {"whole": [tm, 0, 0], "halves": [tm // 2, tm // 2, 0], "few": [0, 3, 0]}[fill]
     for visit_empty in (False, True):
         _, m_tile_ids, expected = _metadata(sizes, tm, tm, visit_empty)
-        distinct = len(set(m_tile_ids[:expected].tolist()))
+        distinct = _kernel_m_tiles(m_tile_ids, expected)
         assert tiles.pallas_m_tiles(sizes, tm, tm, visit_empty=visit_empty) == distinct
 
 

@@ -120,21 +120,21 @@ def sizes_in_range(cfg: Config) -> list[Finding]:
                 "pick its preset with model=<name>.",
             )
         )
-    if cfg.per_device_batch_size * cfg.max_target_length <= MAX_TOKENS:
-        return found
-    return found + [
-        error(
-            "VALUE_TOO_LARGE",
-            "per_device_batch_size",
-            f"per_device_batch_size={cfg.per_device_batch_size:g} x max_target_length="
-            f"{cfg.max_target_length} is more than {MAX_TOKENS:,} tokens a device, beyond any "
-            "machine. Check the value.",
-            [
-                fix(per_device_batch_size=_default(Config, "per_device_batch_size")),
-                fix(max_target_length=_default(Config, "max_target_length")),
-            ],
+    if cfg.per_device_batch_size * cfg.max_target_length > MAX_TOKENS:
+        found.append(
+            error(
+                "VALUE_TOO_LARGE",
+                "per_device_batch_size",
+                f"per_device_batch_size={cfg.per_device_batch_size:g} x max_target_length="
+                f"{cfg.max_target_length} is more than {MAX_TOKENS:,} tokens a device, beyond "
+                "any machine. Check the value.",
+                [
+                    fix(per_device_batch_size=_default(Config, "per_device_batch_size")),
+                    fix(max_target_length=_default(Config, "max_target_length")),
+                ],
+            )
         )
-    ]
+    return found
 
 
 def finite_capacity_factor(cfg: Config) -> list[Finding]:
