@@ -79,15 +79,17 @@ def test_flash_attention_matches_full_scores(jax_cpu8):
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, q_pos, k_pos)))
 
+    # Each computation compiled once (op by op, the block loops compile many small
+    # programs); BLOCK is read while tracing, inside the try.
     saved, flash.BLOCK = flash.BLOCK, 16
     try:
         assert flash.block_size(64) == 16
-        got = flash.flash_attention(q, k, v, q_pos, k_pos)
-        grads = jax.grad(loss(flash.flash_attention), argnums=(0, 1, 2))(q, k, v)
+        got = jax.jit(flash.flash_attention)(q, k, v, q_pos, k_pos)
+        grads = jax.jit(jax.grad(loss(flash.flash_attention), argnums=(0, 1, 2)))(q, k, v)
     finally:
         flash.BLOCK = saved
-    want = flash.reference_attention(q, k, v, q_pos, k_pos)
-    want_grads = jax.grad(loss(flash.reference_attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.jit(flash.reference_attention)(q, k, v, q_pos, k_pos)
+    want_grads = jax.jit(jax.grad(loss(flash.reference_attention), argnums=(0, 1, 2)))(q, k, v)
     assert jnp.allclose(got, want, atol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
         assert jnp.allclose(g, w, atol=1e-5)

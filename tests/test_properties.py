@@ -282,11 +282,27 @@ def test_the_plausible_generator_builds_many_plans():
 
 def apply_rendered(cfg: Config, rendered: str) -> Config:
     """A fix as a user would apply it: its rendered `key=value` strings parsed by
-    OmegaConf onto the config (not the selector's own Config.apply)."""
+    OmegaConf's dotlist parser, laid over the config's settings and converted by
+    `selector.to_config` (OmegaConf's typed merge onto the schema), not by the
+    selector's own Config.apply. (Merging onto `OmegaConf.structured(cfg)` first gave
+    the same configs at four times the time: 70 of this test's 80 s.)"""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(rendered.split()))
-    return selector.to_config(merged)
+    settings = dataclasses.asdict(cfg)
+    _lay_over(settings, OmegaConf.to_container(OmegaConf.from_dotlist(rendered.split())))
+    return selector.to_config(settings)
+
+
+def _lay_over(base: dict, overrides: dict) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _lay_over(base[key], value)
+        else:
+            base[key] = value
+
+
+# Half a unit in the third significant digit: how far a `:.3g` number is from the value.
+SHOWN_PRECISION = 5e-3
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -312,8 +328,14 @@ def test_every_proposed_fix_passes_the_next_check(cfg):
             if m
         ]
         assert held == sorted(held), (finding.code, held)
-        if any(h <= chip_gib for h in held):
-            assert all(h <= chip_gib * 1.001 for h in held), (finding.code, held, chip_gib)
+        # The notes print 3 significant digits: a value shown as the chip's size may be
+        # just over it (fits is device_bytes <= chip), so "fits" is read to that precision.
+        if any(h <= chip_gib * (1 - SHOWN_PRECISION) for h in held):
+            assert all(h <= chip_gib * (1 + SHOWN_PRECISION) for h in held), (
+                finding.code,
+                held,
+                chip_gib,
+            )
         for fix in finding.fixes:
             after = selector.validate(apply_rendered(cfg, fix.render()))
             assert finding.code not in {f.code for f in after}, (finding.code, fix.render())

@@ -1,0 +1,69 @@
+"""Where a compiled program's temp goes, read from an XLA dump (`XLA_FLAGS=--xla_dump_to=DIR`)
+of that compile beside the `CompiledMemoryStats` line its log printed.
+
+XLA:TPU's memory analysis reports `temp_size_in_bytes`; the dump's buffer assignment
+names the temp allocations it made (the heap, packing included) and its live-range
+file the buffers live at the heap's peak. What the memory analysis counts beyond the
+buffer assignment's allocations is added by the backend after buffer assignment and is
+named by no buffer in the dump.
+
+    python -m bench.dump_peak DUMP_DIR LOG_FILE
+
+(used for the Qwen3-Next reading in docs/results/whole-step.md: MaxText's train_compile
+at 4 and 8 layers, dumps of about 30 MB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from checks import maxtext_step
+
+GIB = 1024**3
+
+
+def allocations(buffer_assignment: str) -> dict[str, int]:
+    """Bytes the buffer assignment allocates in HBM (memory space 0): parameters and temp."""
+    out = {"parameters": 0, "temp": 0}
+    for line in buffer_assignment.splitlines():
+        if not line.startswith("allocation") or "thread-local" in line or " color " in line:
+            continue
+        size = int(re.search(r"size (\d+)", line).group(1))
+        out["parameters" if "parameter" in line else "temp"] += size
+    return out
+
+
+def live_peak(live_range: str) -> int:
+    """Bytes live at the heap simulator's peak, parameters included."""
+    m = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", live_range)
+    return int(m.group(1).replace(" ", "")) if m else 0
+
+
+def read(dump: Path, log: Path) -> dict[str, float]:
+    (assignment,) = dump.glob("*train_step*after_optimizations-buffer-assignment.txt")
+    (ranges,) = dump.glob("*train_step*after_optimizations-live-range.txt")
+    alloc = allocations(assignment.read_text())
+    stats = maxtext_step.parse_log(log.read_text(errors="replace"))
+    named_temp = alloc["temp"]
+    return {
+        "arguments": stats["arguments"] / GIB,
+        "temp (memory analysis)": stats["temp"] / GIB,
+        "temp the buffer assignment allocates": named_temp / GIB,
+        "of which live at its peak": (live_peak(ranges.read_text()) - alloc["parameters"]) / GIB,
+        "temp no buffer names": (stats["temp"] - named_temp) / GIB,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dump", type=Path)
+    ap.add_argument("log", type=Path)
+    args = ap.parse_args(argv)
+    for name, gib in read(args.dump, args.log).items():
+        print(f"{name:40s} {gib:8.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
