@@ -117,10 +117,7 @@ def reference_grads_and_keep(model, x, cot, cp):
         y, _ = reference_moe(w, x, spec, keep, ids)
         return jnp.sum(y * cot), y
 
-    # One compiled program: run op by op, the unrolled loop over experts compiles a few
-    # hundred tiny programs for every new shape.
-    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    (_, y), (gw, gx) = grads(w, x)
+    (_, y), (gw, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
     return y, gw, gx, keep
 
 
