@@ -28,6 +28,7 @@ from typing import Any
 from ..compose import conf_dir as packaged_conf
 from ..compose import did_you_mean
 from ..config import (
+    DTYPE_BYTES,
     MESH_AXES,
     CapacityRounding,
     Config,
@@ -426,6 +427,8 @@ def from_maxtext(
     for key in (*PARALLELISM_KEYS, *(k for k in OWN_KEYS if k not in OWN_KEYS_READ_APART)):
         if key in raw and raw[key] is not None:
             values[key] = coerce(key, raw[key], _FIELD_TYPES[key])
+    if "optimizer_bytes_per_param" not in values:
+        values["optimizer_bytes_per_param"] = adamw_bytes_per_param(raw)
     if values.get("num_experts", 1) <= 1 and values.get("base_moe_mlp_dim", -1) <= 0:
         # A dense MaxText config has no MoE layer: its MLP is base_mlp_dim wide.
         values["base_moe_mlp_dim"] = coerce("base_mlp_dim", raw.get("base_mlp_dim", 7168), int)
@@ -518,6 +521,16 @@ def from_maxtext(
         dispatch_source,
         maxtext_exchange,
     )
+
+
+def adamw_bytes_per_param(raw: dict) -> float:
+    """AdamW's two moments a parameter, as MaxText 0.2.5 stores them (configs/pyconfig.py):
+    mu in mu_dtype, which inherits weight_dtype when unset; nu always in weight_dtype (8
+    bytes with base.yml's float32 weights, 4 with weight_dtype=bfloat16). A dtype the
+    selector does not know counts 4 bytes here; param_dtype's own check names it."""
+    weight = str(raw.get("weight_dtype") or "float32")
+    mu = str(raw.get("mu_dtype") or "") or weight
+    return float(DTYPE_BYTES.get(mu, 4) + DTYPE_BYTES.get(weight, 4))
 
 
 def model_file_as_config(path: Path, overrides: list[str]) -> tuple[Path, list[str], str]:
