@@ -41,11 +41,22 @@ def live_peak(live_range: str) -> int:
     return int(m.group(1).replace(" ", "")) if m else 0
 
 
+def _one(dump: Path, suffix: str) -> Path:
+    found = sorted(dump.glob(f"*train_step*after_optimizations-{suffix}.txt"))
+    if len(found) != 1:
+        raise SystemExit(
+            f"{dump}: expected one train_step *-{suffix}.txt, found {len(found)}; give the "
+            "folder XLA_FLAGS=--xla_dump_to named for one train_compile."
+        )
+    return found[0]
+
+
 def read(dump: Path, log: Path) -> dict[str, float]:
-    (assignment,) = dump.glob("*train_step*after_optimizations-buffer-assignment.txt")
-    (ranges,) = dump.glob("*train_step*after_optimizations-live-range.txt")
-    alloc = allocations(assignment.read_text())
+    alloc = allocations(_one(dump, "buffer-assignment").read_text())
+    ranges = _one(dump, "live-range")
     stats = maxtext_step.parse_log(log.read_text(errors="replace"))
+    if stats["status"] != "ok":
+        raise SystemExit(f"{log}: no memory analysis in it ({stats['status']}: {stats['message']})")
     named_temp = alloc["temp"]
     return {
         "arguments": stats["arguments"] / GIB,
