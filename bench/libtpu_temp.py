@@ -1,0 +1,246 @@
+"""The temp XLA:TPU's memory analysis reports beyond what its buffer assignment allocates.
+
+The whole step's estimate counts the buffers a program holds; on XLA:TPU the compiled
+step's `temp_size_in_bytes` is larger than the heap its buffer assignment lays out
+(`--xla_dump_to`), by an amount no buffer in the dump names (docs/results/whole-step.md).
+This study isolates what that amount follows, with small programs compiled ahead of time
+for 64 abstract v5p chips (fsdp=64; nothing runs on a TPU), and with this project's own
+Mixtral step at two layer counts:
+
+- `gather`: one expert matrix (bf16 [8, 4096, 14336], fsdp-sharded) gathered and used in
+  a matmul; `swiglu`: three of them, as an MoE layer's forward does;
+- `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
+  MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
+  AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
+- `step:L`: `checks.step`'s whole Mixtral-8x7B step (64 v5p, cp 1) at L layers.
+
+Each point compiles in its own process with `XLA_FLAGS=--xla_dump_to`; `unnamed` is the
+memory analysis' temp less the buffer assignment's temp allocations (outputs that do not
+alias an argument are allocated there but are not temp).
+
+    python -m bench.libtpu_temp
+    python -m bench.libtpu_temp --points gather,scan:2:adamw
+    python -m bench.libtpu_temp --replot
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import arguments, pyplot, save, table
+from bench.dump_peak import allocations
+
+STUDY = "libtpu_temp"
+MIB = 2**20
+EXPERTS, EMB, HIDDEN, CHIPS, TOKENS = 8, 4096, 14336, 64, 1024
+DEFAULT_POINTS = (
+    "gather,swiglu,scan:2:grad,scan:8:grad,scan:2:sgd,scan:8:sgd,"
+    "scan:2:adamw,scan:8:adamw,scan:2:adamw_kept,scan:8:adamw_kept,step:8,step:32"
+)
+COLUMNS = [
+    ("point", "point"),
+    ("largest_all_reduce_mib", "largest all-reduce MiB"),
+    ("layer_params_mib", "f32 weights a layer MiB"),
+    ("temp_mib", "temp MiB (memory analysis)"),
+    ("heap_mib", "temp the buffer assignment allocates"),
+    ("unnamed_mib", "unnamed MiB"),
+    ("alias_mib", "donated MiB"),
+]
+
+
+def _toy(point: str):
+    """(jitted function, abstract arguments) of a toy point, on 64 abstract v5p chips."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from checks.targets import devices
+    from selector.targets import Target
+
+    mesh = Mesh(np.array(devices(Target.from_hardware("v5p", CHIPS, 1))), ("fsdp",))
+
+    def spec(*s):
+        return NamedSharding(mesh, P(*s))
+
+    def whole(a):  # gathered over fsdp, in the compute dtype
+        return jax.lax.with_sharding_constraint(a.astype(jnp.bfloat16), spec())
+
+    def swiglu(h, w):
+        wi_0, wi_1, wo = (whole(a) for a in w)
+        a, b = (jnp.einsum("tm,emh->teh", h, wi) for wi in (wi_0, wi_1))
+        return jnp.einsum("teh,ehm->tm", jax.nn.silu(a) * b, wo).astype(h.dtype) / EXPERTS
+
+    x = jax.ShapeDtypeStruct((TOKENS, EMB), jnp.bfloat16, sharding=spec("fsdp", None))
+    kind, *rest = point.split(":")
+    if kind in ("gather", "swiglu"):
+        shape = (EXPERTS, EMB, HIDDEN)
+        w = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(None, "fsdp", None))
+        if kind == "gather":
+            return jax.jit(lambda w, x: jnp.einsum("tm,emh->teh", x, whole(w)).sum(1)), (w, x)
+        wo = jax.ShapeDtypeStruct(
+            (EXPERTS, HIDDEN, EMB), jnp.bfloat16, sharding=spec(None, None, "fsdp")
+        )
+        return jax.jit(lambda w0, w1, wo, x: swiglu(x, (w0, w1, wo))), (w, w, wo, x)
+    layers, mode = int(rest[0]), rest[1]
+    in_spec, out_spec = spec(None, None, "fsdp", None), spec(None, None, None, "fsdp")
+    w_in = jax.ShapeDtypeStruct((layers, EXPERTS, EMB, HIDDEN), jnp.float32, sharding=in_spec)
+    w_out = jax.ShapeDtypeStruct((layers, EXPERTS, HIDDEN, EMB), jnp.float32, sharding=out_spec)
+    ws = (w_in, w_in, w_out)
+    w_shardings = tuple(a.sharding for a in ws)
+    layer = jax.checkpoint(lambda h, w: (h + swiglu(h, w), None))
+
+    def loss(ws, x):
+        return jax.lax.scan(layer, x, ws)[0].astype(jnp.float32).sum()
+
+    if mode == "grad":
+        return jax.jit(jax.grad(loss), out_shardings=w_shardings), (ws, x)
+    if mode == "sgd":
+
+        def sgd(ws, x):
+            return jax.tree.map(lambda w, g: w - 1e-4 * g, ws, jax.grad(loss)(ws, x))
+
+        return jax.jit(sgd, out_shardings=w_shardings, donate_argnums=(0,)), (ws, x)
+    opt = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.float32)
+    state = jax.eval_shape(opt.init, ws)
+    state_shardings = jax.tree.map(
+        lambda a: spec() if a.ndim == 0 else (in_spec if a.shape[-1] == HIDDEN else out_spec), state
+    )
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, state_shardings
+    )
+
+    def step(ws, state, x):
+        updates, state = opt.update(jax.grad(loss)(ws, x), state, ws)
+        return optax.apply_updates(ws, updates), state
+
+    donate = (0, 1) if mode == "adamw" else ()
+    fn = jax.jit(step, out_shardings=(w_shardings, state_shardings), donate_argnums=donate)
+    return fn, (ws, state, x)
+
+
+def _step(layers: int) -> tuple[dict, float]:
+    """Compile this project's Mixtral step at `layers` layers (bench.step_compile's point
+    mixtral_8x7b:1); its CompiledStep as a dict and its f32 weights a layer."""
+    import selector
+    from bench.step_compile import overrides
+    from checks.step import compile_step
+
+    cfg = selector.compose(
+        [*overrides("mixtral_8x7b", 1, "tpu"), f"base_num_decoder_layers={layers}"]
+    )
+    plan, _ = selector.api.analyse_any(selector.to_config(cfg))
+    _, compiled = compile_step(cfg, plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    return compiled.as_dict(), compiled.params / layers
+
+
+def largest_all_reduce(hlo: str) -> int:
+    """Bytes of the largest all-reduce result in an optimized HLO text."""
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+    best = 0
+    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-reduce(?:-start)?\(", hlo):
+        n = 1
+        for d in filter(None, m.group(2).split(",")):
+            n *= int(d)
+        best = max(best, n * sizes.get(m.group(1), 4))
+    return best
+
+
+def worker(point: str, dump: Path) -> dict:
+    from selector.targets import prepare_process
+
+    prepare_process("tpu", CHIPS)
+    if point.startswith("step:"):
+        compiled, layer_params = _step(int(point.split(":")[1]))
+        temp, outputs, alias = compiled["temp"], compiled["outputs"], compiled["alias"]
+        module = "jit_step"
+    else:
+        fn, args = _toy(point)
+        stats = fn.lower(*args).compile().memory_analysis()
+        temp, outputs = stats.temp_size_in_bytes, stats.output_size_in_bytes
+        alias = stats.alias_size_in_bytes
+        layer_params = 3 * EXPERTS * EMB * HIDDEN * 4 / CHIPS if point.startswith("scan") else 0
+        module = ""
+    files = [p for p in dump.glob("*after_optimizations-buffer-assignment.txt") if module in p.name]
+    files = [p for p in files if "convert_element_type" not in p.name]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    heap = allocations(biggest.read_text())["temp"] - (outputs - alias)
+    hlo = biggest.with_name(biggest.name.replace("-buffer-assignment", "")).read_text()
+    return {
+        "point": point,
+        "largest_all_reduce_mib": largest_all_reduce(hlo) / MIB,
+        "layer_params_mib": layer_params / MIB,
+        "temp_mib": temp / MIB,
+        "heap_mib": heap / MIB,
+        "unnamed_mib": (temp - heap) / MIB,
+        "alias_mib": alias / MIB,
+    }
+
+
+def run_point(point: str) -> dict:
+    with tempfile.TemporaryDirectory() as dump:
+        env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}", "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, "-m", "bench.libtpu_temp", "--worker", point, "--dump", dump]
+        got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    rows = [line for line in got.stdout.splitlines() if line.startswith("{")]
+    if got.returncode != 0 or not rows:
+        tail = (got.stderr or "no output").strip().splitlines()[-1]
+        return {"point": point, "status": f"failed: {tail[:300]}"}
+    return json.loads(rows[-1])
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    rows = [r for r in payload["rows"] if "unnamed_mib" in r]
+    xs = range(len(rows))
+    ax.bar(
+        [x - 0.2 for x in xs], [r["heap_mib"] for r in rows], 0.4, label="buffer assignment's temp"
+    )
+    ax.bar(
+        [x + 0.2 for x in xs], [r["unnamed_mib"] for r in rows], 0.4, label="temp no buffer names"
+    )
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["point"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("MiB a device")
+    ax.set_title("XLA:TPU temp beyond the buffer assignment (64 v5p, compiled ahead of time)")
+    ax.legend()
+    return fig
+
+
+def main() -> None:
+    args = arguments(
+        STUDY,
+        __doc__,
+        plot,
+        points={"default": DEFAULT_POINTS},
+        worker={"default": None, "help": "(internal) compile one point in this process"},
+        dump={"default": None, "help": "(internal) the worker's dump folder"},
+    )
+    if args is None:
+        return
+    if args.worker:
+        print(json.dumps(worker(args.worker, Path(args.dump))))
+        return
+    rows = []
+    for point in args.points.split(","):
+        print(f"compiling {point} ...", flush=True)
+        rows.append(run_point(point))
+        print(table(rows[-1:], COLUMNS), flush=True)
+    import jax
+
+    payload = {"jax": jax.__version__, "rows": rows}
+    print(table(rows, COLUMNS))
+    print("wrote", *save(STUDY, payload, plot(payload)))
+
+
+if __name__ == "__main__":
+    main()
