@@ -9,13 +9,16 @@ named by no buffer in the dump.
 
     python -m bench.dump_peak DUMP_DIR LOG_FILE
 
-(used for the Qwen3-Next reading in docs/results/whole-step.md: MaxText's train_compile
-at 4 and 8 layers, dumps of about 30 MB each).
+LOG_FILE is MaxText's train_compile output, or what `python -m bench.step_compile
+--worker POINT` printed (this project's step, whose module is `jit_step`). Used for the
+readings in docs/results/whole-step.md (MaxText's Qwen3-Next at 4 and 8 layers, dumps of
+about 30 MB each; this project's Mixtral and Qwen3-30B-A3B steps on v5p and H200).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -42,19 +45,34 @@ def live_peak(live_range: str) -> int:
 
 
 def _one(dump: Path, suffix: str) -> Path:
-    found = sorted(dump.glob(f"*train_step*after_optimizations-{suffix}.txt"))
+    found = [
+        p
+        for module in ("train_step", "jit_step")
+        for p in sorted(dump.glob(f"*.{module}.*after_optimizations-{suffix}.txt"))
+    ]
     if len(found) != 1:
         raise SystemExit(
-            f"{dump}: expected one train_step *-{suffix}.txt, found {len(found)}; give the "
-            "folder XLA_FLAGS=--xla_dump_to named for one train_compile."
+            f"{dump}: expected one train_step or jit_step *-{suffix}.txt, found {len(found)}; "
+            "give the folder XLA_FLAGS=--xla_dump_to named for one compile of a step."
         )
     return found[0]
+
+
+def _stats(log: Path) -> dict:
+    """The step's memory analysis: bench.step_compile's worker line, or MaxText's log."""
+    text = log.read_text(errors="replace")
+    rows = [line for line in text.splitlines() if line.startswith("{")]
+    if rows:
+        row = json.loads(rows[-1])
+        if "compiled" in row:
+            return {"status": "ok", **row["compiled"]}
+    return maxtext_step.parse_log(text)
 
 
 def read(dump: Path, log: Path) -> dict[str, float]:
     alloc = allocations(_one(dump, "buffer-assignment").read_text())
     ranges = _one(dump, "live-range")
-    stats = maxtext_step.parse_log(log.read_text(errors="replace"))
+    stats = _stats(log)
     if stats["status"] != "ok":
         raise SystemExit(f"{log}: no memory analysis in it ({stats['status']}: {stats['message']})")
     named_temp = alloc["temp"]

@@ -7,12 +7,13 @@ This study isolates what that amount follows, with small programs compiled ahead
 for 64 abstract v5p chips (fsdp=64; nothing runs on a TPU), and with this project's own
 Mixtral step at two layer counts:
 
-- `gather`: one expert matrix (bf16 [8, 4096, 14336], fsdp-sharded) gathered and used in
-  a matmul; `swiglu`: three of them, as an MoE layer's forward does;
+- `gather[:E]`: one expert matrix (bf16 [E, 4096, 14336], E=8 unless given, fsdp-sharded)
+  gathered and used in a matmul; `swiglu`: three of them, as an MoE layer's forward does;
 - `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
   MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
   AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
-- `step:L`: `checks.step`'s whole Mixtral-8x7B step (64 v5p, cp 1) at L layers.
+- `step:MODEL:CP[:L]`: `checks.step`'s whole step of a preset (bench.step_compile's point
+  MODEL:CP on 64 v5p), at L layers when given.
 
 Each point compiles in its own process with `XLA_FLAGS=--xla_dump_to`; `unnamed` is the
 memory analysis' temp less the buffer assignment's temp allocations (outputs that do not
@@ -33,15 +34,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import arguments, pyplot, save, table
+from bench.common import RESULTS, arguments, pyplot, save, table
 from bench.dump_peak import allocations
 
 STUDY = "libtpu_temp"
 MIB = 2**20
 EXPERTS, EMB, HIDDEN, CHIPS, TOKENS = 8, 4096, 14336, 64, 1024
 DEFAULT_POINTS = (
-    "gather,swiglu,scan:2:grad,scan:8:grad,scan:2:sgd,scan:8:sgd,"
-    "scan:2:adamw,scan:8:adamw,scan:2:adamw_kept,scan:8:adamw_kept,step:8,step:32"
+    "gather,gather:4,gather:2,swiglu,scan:2:grad,scan:8:grad,scan:2:sgd,scan:8:sgd,"
+    "scan:2:adamw,scan:8:adamw,scan:2:adamw_kept,scan:8:adamw_kept,"
+    "step:mixtral_8x7b:1:8,step:mixtral_8x7b:1,step:qwen3_30b_a3b:1"
 )
 COLUMNS = [
     ("point", "point"),
@@ -82,7 +84,7 @@ def _toy(point: str):
     x = jax.ShapeDtypeStruct((TOKENS, EMB), jnp.bfloat16, sharding=spec("fsdp", None))
     kind, *rest = point.split(":")
     if kind in ("gather", "swiglu"):
-        shape = (EXPERTS, EMB, HIDDEN)
+        shape = (int(rest[0]) if rest else EXPERTS, EMB, HIDDEN)
         w = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(None, "fsdp", None))
         if kind == "gather":
             return jax.jit(lambda w, x: jnp.einsum("tm,emh->teh", x, whole(w)).sum(1)), (w, x)
@@ -127,19 +129,19 @@ def _toy(point: str):
     return fn, (ws, state, x)
 
 
-def _step(layers: int) -> tuple[dict, float]:
-    """Compile this project's Mixtral step at `layers` layers (bench.step_compile's point
-    mixtral_8x7b:1); its CompiledStep as a dict and its f32 weights a layer."""
+def _step(model: str, cp: int, layers: int | None) -> tuple[dict, float]:
+    """Compile this project's step of `model` at `cp` (bench.step_compile's point), at
+    `layers` layers when given; its CompiledStep as a dict and its f32 weights a layer."""
     import selector
     from bench.step_compile import overrides
     from checks.step import compile_step
 
-    cfg = selector.compose(
-        [*overrides("mixtral_8x7b", 1, "tpu"), f"base_num_decoder_layers={layers}"]
-    )
-    plan, _ = selector.api.analyse_any(selector.to_config(cfg))
+    extra = [f"base_num_decoder_layers={layers}"] if layers else []
+    cfg = selector.compose([*overrides(model, cp, "tpu"), *extra])
+    config = selector.to_config(cfg)
+    plan, _ = selector.api.analyse_any(config)
     _, compiled = compile_step(cfg, plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    return compiled.as_dict(), compiled.params / layers
+    return compiled.as_dict(), compiled.params / config.base_num_decoder_layers
 
 
 def largest_all_reduce(hlo: str) -> int:
@@ -159,7 +161,8 @@ def worker(point: str, dump: Path) -> dict:
 
     prepare_process("tpu", CHIPS)
     if point.startswith("step:"):
-        compiled, layer_params = _step(int(point.split(":")[1]))
+        _, model, cp, *layers = point.split(":")
+        compiled, layer_params = _step(model, int(cp), int(layers[0]) if layers else None)
         temp, outputs, alias = compiled["temp"], compiled["outputs"], compiled["alias"]
         module = "jit_step"
     else:
@@ -230,11 +233,16 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, Path(args.dump))))
         return
-    rows = []
+    # The stored rows are kept; each point compiled replaces its own row.
+    stored = RESULTS / f"{STUDY}.json"
+    rows = json.loads(stored.read_text())["rows"] if stored.exists() else []
+    order = DEFAULT_POINTS.split(",")
     for point in args.points.split(","):
         print(f"compiling {point} ...", flush=True)
-        rows.append(run_point(point))
-        print(table(rows[-1:], COLUMNS), flush=True)
+        row = run_point(point)
+        rows = [r for r in rows if r["point"] != point] + [row]
+        print(table([row], COLUMNS), flush=True)
+    rows.sort(key=lambda r: order.index(r["point"]) if r["point"] in order else len(order))
     import jax
 
     payload = {"jax": jax.__version__, "rows": rows}

@@ -5,7 +5,7 @@ time for 64 chips at the real shape, beside the estimate's whole-step bytes
 
     python -m bench.step_compile --target tpu --points qwen3_30b_a3b:1,mixtral_8x7b:4
 
-A point is MODEL:CP: 64 chips (v5p:4x4x4 for tpu, 64 H100s as 8 nodes of 8 for gpu),
+A point is MODEL:CP: 64 chips (v5p:4x4x4 for tpu, 64 H200s as 8 nodes of 8 for gpu),
 ici_fsdp_parallelism = 64 / CP, ici_context_parallelism = CP, max_target_length 8192 and
 per_device_batch_size 1 / CP, so each device holds one 8,192-token sequence's shard. Each
 point compiles in its own process with a timeout (minutes each on 2 cores); one that
@@ -31,7 +31,14 @@ SEQ = 8192
 DEFAULT_POINTS = (
     "qwen3_30b_a3b:1,qwen3_30b_a3b:2,qwen3_30b_a3b:4,mixtral_8x7b:1,mixtral_8x7b:2,mixtral_8x7b:4"
 )
-HARDWARE = {"tpu": "v5p", "gpu": "h100"}
+HARDWARE = {"tpu": "v5p", "gpu": "h200"}
+
+
+def study(target: str) -> str:
+    """Each target's rows in their own JSON and PNG."""
+    return STUDY if target == "tpu" else f"{STUDY}_{target}"
+
+
 COLUMNS = [
     ("point", "point"),
     ("status", "compile"),
@@ -153,15 +160,24 @@ def main() -> None:
     import selector
 
     chip = selector.to_config(selector.compose([f"hardware={HARDWARE[args.target]}"])).hardware
-    rows = []
+    # The target's stored rows are kept; each point compiled replaces its own row.
+    stored = RESULTS / f"{study(args.target)}.json"
+    rows = json.loads(stored.read_text())["rows"] if stored.exists() else []
     for point in args.points.split(","):
         print(f"compiling {point} for {args.target} ...", flush=True)
-        rows.append(run_point(point, args.target, args.timeout))
-        print(table(rows[-1:], COLUMNS), flush=True)
+        row = run_point(point, args.target, args.timeout)
+        rows = sorted([r for r in rows if r["point"] != point] + [row], key=_order)
+        print(table([row], COLUMNS), flush=True)
         payload = {"target": args.target, "chip_gib": chip.memory_gib, "rows": rows}
-        paths = save(STUDY, payload, plot(payload))  # after every point: compiles are long
+        # Saved after every point: compiles are long.
+        paths = save(study(args.target), payload, plot(payload))
     print(table(rows, COLUMNS))
     print("wrote", *paths)
+
+
+def _order(row: dict) -> tuple[str, int]:
+    model, cp = row["point"].split(":")
+    return model, int(cp)
 
 
 def re_estimate(target: str) -> None:
@@ -169,7 +185,7 @@ def re_estimate(target: str) -> None:
     compiles take minutes each; the estimate is a function of the same config)."""
     import selector
 
-    payload = json.loads((RESULTS / f"{STUDY}.json").read_text())
+    payload = json.loads((RESULTS / f"{study(target)}.json").read_text())
     for row in payload["rows"]:
         if row.get("status") != "ok":
             continue
@@ -181,7 +197,7 @@ def re_estimate(target: str) -> None:
         row["estimate_breakdown"] = est.device_breakdown
         row["error"] = est.device_bytes / (row["peak_gib"] * GIB) - 1
     print(table(payload["rows"], COLUMNS))
-    print("wrote", *save(STUDY, payload, plot(payload)))
+    print("wrote", *save(study(target), payload, plot(payload)))
 
 
 def _key(name: str):
