@@ -194,6 +194,16 @@ def pyplot():
     return plt
 
 
+def paired_bars(ax, labels, left: tuple[list, str], right: tuple[list, str], unit: str) -> None:
+    """Two bars a label, side by side: `left` and `right` are (values, legend label)."""
+    xs = range(len(labels))
+    for offset, (values, name) in ((-0.2, left), (0.2, right)):
+        ax.bar([x + offset for x in xs], values, 0.4, label=name)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel(unit)
+
+
 def log_x_axis(ax, ticks) -> None:
     """A log-scale x axis labelled only at `ticks` (no minor-tick clutter)."""
     ax.set_xscale("log")

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, arguments, pyplot, save, table
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table
 from bench.dump_peak import allocations
 
 STUDY = "libtpu_temp"
@@ -204,16 +204,13 @@ def plot(payload: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     rows = [r for r in payload["rows"] if "unnamed_mib" in r]
-    xs = range(len(rows))
-    ax.bar(
-        [x - 0.2 for x in xs], [r["heap_mib"] for r in rows], 0.4, label="buffer assignment's temp"
+    paired_bars(
+        ax,
+        [r["point"] for r in rows],
+        ([r["heap_mib"] for r in rows], "buffer assignment's temp"),
+        ([r["unnamed_mib"] for r in rows], "temp no buffer names"),
+        "MiB a device",
     )
-    ax.bar(
-        [x + 0.2 for x in xs], [r["unnamed_mib"] for r in rows], 0.4, label="temp no buffer names"
-    )
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels([r["point"] for r in rows], rotation=30, ha="right")
-    ax.set_ylabel("MiB a device")
     ax.set_title("XLA:TPU temp beyond the buffer assignment (64 v5p, compiled ahead of time)")
     ax.legend()
     return fig

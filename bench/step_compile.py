@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import RESULTS, arguments, pyplot, save, table
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table
 
 STUDY = "step_compile"
 GIB = 2**30
@@ -122,14 +122,14 @@ def plot(payload: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     rows = [r for r in payload["rows"] if r.get("status") == "ok"]
-    labels = [r["point"] for r in rows]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["peak_gib"] for r in rows], 0.4, label="compiled peak")
-    ax.bar([x + 0.2 for x in xs], [r["estimate_gib"] for r in rows], 0.4, label="estimate")
+    paired_bars(
+        ax,
+        [r["point"] for r in rows],
+        ([r["peak_gib"] for r in rows], "compiled peak"),
+        ([r["estimate_gib"] for r in rows], "estimate"),
+        "GiB a device",
+    )
     ax.axhline(payload["chip_gib"], color="grey", linestyle="--", label="chip memory")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, rotation=30, ha="right")
-    ax.set_ylabel("GiB a device")
     ax.set_title(f"Whole training step, {CHIPS} {payload['target']} chips, {SEQ} tokens a sequence")
     ax.legend()
     return fig
