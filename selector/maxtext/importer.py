@@ -62,6 +62,7 @@ from .files import (
 )
 from .routing import routing
 from .topology import topology_target
+from .torus import mesh_not_on_torus
 
 # MaxText keys copied one to one (MaxText name -> ours).
 DIRECT_KEYS = {
@@ -131,6 +132,8 @@ OWN_KEYS = (
 OWN_KEYS_READ_APART = ("chip", "dispatch", "mode", "output", "expert_exchange", "expert_group")
 # MaxText keys that decide the dispatch, the routing or the axis roles (read, mapped).
 READ_KEYS = (
+    "allow_split_physical_axes",
+    "mesh_axes",
     "custom_mesh_and_rule",
     "sparse_matmul",
     "megablox",
@@ -494,6 +497,7 @@ def from_maxtext(
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
+    found += mesh_not_on_torus(raw, cfg, mesh)
     note = megablox_note(mesh, sparse)
     if note:
         notes.append(note)
@@ -574,6 +578,8 @@ __all__ = ["MaxTextError", "MaxTextImport", "fix", "from_maxtext", "parse_overri
 # Our setting -> MaxText's key, for fixes offered on the MaxText route.
 MAXTEXT_SPELLING = {ours: theirs for theirs, ours in DIRECT_KEYS.items()}
 MAXTEXT_SPELLING["gmm_row_tile"] = ROW_TILE_KEY
+# Keys a fix may set that are spelled the same on both routes, or MaxText's alone.
+MAXTEXT_ONLY_FIX_KEYS = ("num_slices", "allow_split_physical_axes")
 # Our axis roles -> the logical name of MaxText's rule that gives them (RoutedMoE's
 # names; see axis_rules.py).
 MAXTEXT_RULE_NAMES = {
@@ -602,7 +608,7 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
     for key, value in fix_.overrides:
         if key in MAXTEXT_SPELLING:
             spelled.append((MAXTEXT_SPELLING[key], value))
-        elif key in OWN_KEYS or key in PARALLELISM_KEYS or key == "num_slices":
+        elif key in OWN_KEYS or key in PARALLELISM_KEYS or key in MAXTEXT_ONLY_FIX_KEYS:
             spelled.append((key, value))
         else:
             return None
