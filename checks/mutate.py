@@ -5,6 +5,7 @@ cores.
     python -m checks.mutate selector               # every mutant of cost, memory, placement, policy
     python -m checks.mutate layers --sample 20     # 20 mutants a module, drawn with --seed
     python -m checks.mutate selector --sample 40 --seed 0
+    python -m checks.mutate torus                  # the MaxText route's torus check
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -57,6 +58,11 @@ PARTS = {
             "tests/test_layers_parity.py",
             "tests/test_targets.py",
         ),
+    },
+    # The MaxText route's torus check, against JAX's own assignment and MaxText's files.
+    "torus": {
+        "modules": ("selector/maxtext/torus.py",),
+        "tests": ("tests/test_maxtext_torus.py",),
     },
 }
 

@@ -79,6 +79,10 @@ def test_maxtexts_own_failure_is_refused_before_launch(maxtext_dir):
     spelled = route_fixes(found, base, over, analyse)
     (torus_finding,) = [f for f in spelled if f.code == "MAXTEXT_MESH_NOT_ON_TORUS"]
     assert torus_finding.setting == "ici_context_parallelism"
+    assert "context=2 is not the product" in torus_finding.message
+    assert "64-chip v5p slice (4x4x4)" in torus_finding.message
+    assert "(fsdp=32, context=2)" in torus_finding.message
+    assert "splits a physical axis" in torus_finding.fixes[0].note
     assert [x.render() for x in torus_finding.fixes] == ["allow_split_physical_axes=true"]
     assert "MAXTEXT_MESH_NOT_ON_TORUS" not in findings("allow_split_physical_axes=true")[1]
     four = [kv.replace("=2", "=4").replace("=32", "=16") for kv in over]
@@ -87,12 +91,44 @@ def test_maxtexts_own_failure_is_refused_before_launch(maxtext_dir):
     ]
 
 
+def _codes(base, over):
+    return [
+        f.code for f in selector.from_maxtext(base, ["model_name=qwen3-30b-a3b", *over]).findings
+    ]
+
+
+def test_each_slice_of_a_multislice_run_and_a_custom_mesh_are_checked(maxtext_dir):
+    """Each slice lays out its ICI axes alone (the DCN part of an axis is across slices),
+    and a custom_mesh_and_rule file's mesh_axes replace the config's."""
+    base = str(maxtext_dir / "configs" / "base.yml")
+    two = ["compile_topology=v5p-128", "compile_topology_num_slices=2", "dcn_data_parallelism=2"]
+    cp2 = ["ici_context_parallelism=2", "ici_fsdp_parallelism=32"]
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" in _codes(base, [*two, *cp2])
+    cp4 = ["ici_context_parallelism=4", "ici_fsdp_parallelism=16"]
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" not in _codes(base, [*two, *cp4])
+    custom = ["compile_topology=v5p-128", "custom_mesh_and_rule=cp-as-ep"]
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" in _codes(base, [*custom, *cp2])
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" not in _codes(base, [*custom, *cp4])
+    # pure-fsdp's mesh has no context axis: the sizes fall short of the slice, which is
+    # not this check's to say.
+    fsdp_only = ["compile_topology=v5p-128", "custom_mesh_and_rule=pure-fsdp"]
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" not in _codes(base, [*fsdp_only, *cp2])
+
+
+def test_a_bad_switch_is_named(maxtext_dir):
+    base = str(maxtext_dir / "configs" / "base.yml")
+    with pytest.raises(selector.maxtext.MaxTextError, match="allow_split_physical_axes"):
+        _codes(base, ["compile_topology=v5p-128", "allow_split_physical_axes=maybe"])
+
+
 def test_small_and_other_slices_are_not_checked(maxtext_dir):
-    """v5p's 2x2x2 slice has its own ordering (any shape), and v6e slices theirs."""
+    """v5p's 2x2x2 slice has its own ordering (any shape), v6e slices theirs, and a chip
+    count that is no v5p slice (24) is left to the other checks."""
     base = str(maxtext_dir / "configs" / "base.yml")
     for over in (
         ["compile_topology=v5p-16", "ici_context_parallelism=8", "ici_fsdp_parallelism=1"],
         ["compile_topology=v6e-64", "ici_context_parallelism=2", "ici_fsdp_parallelism=32"],
+        ["num_devices=24", "ici_context_parallelism=2"],
     ):
         codes = [f.code for f in selector.from_maxtext(base, over).findings]
         assert "MAXTEXT_MESH_NOT_ON_TORUS" not in codes, over

@@ -497,7 +497,7 @@ def from_maxtext(
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
-    found += mesh_not_on_torus(raw, cfg, mesh)
+    found += mesh_not_on_torus(raw, cfg, mesh, custom.get("mesh_axes"))
     note = megablox_note(mesh, sparse)
     if note:
         notes.append(note)

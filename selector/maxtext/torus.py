@@ -10,7 +10,7 @@ start-up with NotImplementedError: on 64 v5p chips (4x4x4) a context axis of 2 b
 fsdp 32 (MaxText's own train_compile stopped there for DeepSeek-V3, ahead of time on a
 CPU machine), where context 4 beside fsdp 16 lays out. v5p's 2x2x2 slice has an
 ordering of its own that takes any shape, and v5e/v6e slices have their own orderings:
-only v5p slices of more than 8 chips are checked, without a custom_mesh_and_rule.
+only v5p slices of more than 8 chips are checked.
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ MESH_AXES = (
     "expert",
     "autoregressive",
 )
-# The ICI key of a mesh axis whose name is not the key's (MaxText's pipeline stage).
-ICI_KEY = {"stage": "ici_pipeline_parallelism"}
 
 
 def unassigned_axis(logical: Sequence[int], physical: Sequence[int]) -> int | None:
@@ -70,32 +68,26 @@ def unassigned_axis(logical: Sequence[int], physical: Sequence[int]) -> int | No
     return None
 
 
-def _ici_sizes(raw: dict, mesh: MeshView) -> tuple[list[str], list[int]]:
-    """MaxText's mesh axes and each one's size within a slice: the check's resolved
-    sizes for the axes it models, the config's own for the rest."""
-    names = [str(a) for a in raw.get("mesh_axes") or MESH_AXES]
-    modelled = dict(mesh.sizes)
-    dcn = dict(mesh.dcn_sizes)
-    sizes = []
-    for name in names:
-        if name in modelled:
-            sizes.append(modelled[name] // max(dcn.get(name, 1), 1))
-            continue
-        value = raw.get(ICI_KEY.get(name, f"ici_{name}_parallelism"), 1)
-        sizes.append(value if isinstance(value, int) and value > 0 else 1)
-    return names, sizes
+def _ici_sizes(raw: dict, mesh: MeshView, axes) -> tuple[list[str], list[int]]:
+    """MaxText's mesh axes and each one's size within a slice, as the check resolved
+    them. An axis it does not model counts as 1 (MAXTEXT_AXIS_NOT_MODELLED names one set
+    above 1, and the sizes then fall short of the slice, which is not checked here)."""
+    names = [str(a) for a in axes or raw.get("mesh_axes") or MESH_AXES]
+    modelled, dcn = dict(mesh.sizes), dict(mesh.dcn_sizes)
+    return names, [modelled.get(n, 1) // dcn.get(n, 1) for n in names]
 
 
-def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView) -> list[Finding]:
-    """MAXTEXT_MESH_NOT_ON_TORUS when MaxText could not lay the mesh on a v5p slice."""
+def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView, axes=None) -> list[Finding]:
+    """MAXTEXT_MESH_NOT_ON_TORUS when MaxText could not lay the mesh on a v5p slice.
+    `axes`: the mesh_axes a custom_mesh_and_rule file gives, which replace the config's."""
     split = coerce("allow_split_physical_axes", raw.get("allow_split_physical_axes", False), bool)
-    if cfg.hardware.name != "v5p" or split or raw.get("custom_mesh_and_rule"):
-        return []  # custom meshes are laid out by their own rings
+    if cfg.hardware.name != "v5p" or split:
+        return []
     chips = mesh.num_devices // max(cfg.num_slices, 1)
     if chips <= 8 or chips & (chips - 1):
         return []
     physical = torus("v5p", chips)
-    names, sizes = _ici_sizes(raw, mesh)
+    names, sizes = _ici_sizes(raw, mesh, axes)
     if math.prod(sizes) != chips:
         return []  # a mesh that does not fill the slice is an error of its own
     index = unassigned_axis(sizes, physical)
@@ -106,7 +98,7 @@ def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView) -> list[Finding]:
     return [
         error(
             "MAXTEXT_MESH_NOT_ON_TORUS",
-            ICI_KEY.get(names[index], f"ici_{names[index]}_parallelism"),
+            f"ici_{names[index]}_parallelism",
             f"MaxText cannot lay this mesh on a {chips}-chip v5p slice ({shape}): "
             f"{names[index]}={sizes[index]} is not the product of whole physical axes left "
             f"once the axes after it in mesh_axes are placed ({axes}), so its "
