@@ -312,7 +312,10 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         )
         note = imported.alternative(plan, analyse_any(free)[0])
         imported.notes += [note] if note else []
-    findings = route_fixes(findings, path, rest, lambda c: analyse_any(c)[1])
+    # The importer's findings and the analysis' are verified on the route together (a
+    # fix must clear its finding without adding an error to either).
+    routed = route_fixes(imported.findings + findings, path, rest, lambda c: analyse_any(c)[1])
+    from_import, findings = routed[: len(imported.findings)], routed[len(imported.findings) :]
     step = None
     if wants_step and plan is not None:
         step, found = _or_usage(
@@ -329,7 +332,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     return report(
         imported.config,
         plan,
-        imported.findings + findings,
+        from_import + findings,
         overrides=rest,
         maxtext=imported,
         compiled=compiled,

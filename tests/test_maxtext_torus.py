@@ -132,3 +132,17 @@ def test_small_and_other_slices_are_not_checked(maxtext_dir):
     ):
         codes = [f.code for f in selector.from_maxtext(base, over).findings]
         assert "MAXTEXT_MESH_NOT_ON_TORUS" not in codes, over
+
+
+def test_the_command_line_shows_the_verified_fix(maxtext_dir, capsys):
+    """The importer's findings go through the route's fix check like the analysis' do:
+    the report spells the fix into the message, and the run exits 1."""
+    from selector.cli import main
+
+    base = str(maxtext_dir / "configs" / "base.yml")
+    over = ["model_name=qwen3-30b-a3b", "compile_topology=v5p-128", "per_device_batch_size=0.5"]
+    status = main([base, *over, "ici_context_parallelism=2", "ici_fsdp_parallelism=32"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "MAXTEXT_MESH_NOT_ON_TORUS" in out
+    assert "Fix: allow_split_physical_axes=true" in " ".join(out.split())
