@@ -7,7 +7,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -192,6 +194,34 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def last_json_line(text: str) -> dict | None:
+    """The last line of `text` that is a JSON object (a worker's row), or None."""
+    rows = [line for line in text.splitlines() if line.startswith("{")]
+    return json.loads(rows[-1]) if rows else None
+
+
+def worker_row(point: str, cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run one point's worker process (`cmd`, which prints its row as its last JSON
+    line) and return that row, or {point, status} saying why there is none: a timeout,
+    or a failure with the last line of its stderr."""
+    start = time.perf_counter()
+    try:
+        got = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env or os.environ
+        )
+    except subprocess.TimeoutExpired:
+        return {"point": point, "status": f"timeout after {timeout:.0f} s"}
+    row = last_json_line(got.stdout)
+    if got.returncode != 0 or row is None:
+        tail = (got.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        return {
+            "point": point,
+            "status": f"failed: {tail[0][:300]}",
+            "seconds": time.perf_counter() - start,
+        }
+    return row
 
 
 def paired_bars(ax, labels, left: tuple[list, str], right: tuple[list, str], unit: str) -> None:

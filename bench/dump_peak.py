@@ -18,10 +18,10 @@ about 30 MB each; this project's Mixtral and Qwen3-30B-A3B steps on v5p and H200
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
+from bench.common import last_json_line
 from checks import maxtext_step
 
 GIB = 1024**3
@@ -61,11 +61,9 @@ def _one(dump: Path, suffix: str) -> Path:
 def _stats(log: Path) -> dict:
     """The step's memory analysis: bench.step_compile's worker line, or MaxText's log."""
     text = log.read_text(errors="replace")
-    rows = [line for line in text.splitlines() if line.startswith("{")]
-    if rows:
-        row = json.loads(rows[-1])
-        if "compiled" in row:
-            return {"status": "ok", **row["compiled"]}
+    row = last_json_line(text)
+    if row is not None and "compiled" in row:
+        return {"status": "ok", **row["compiled"]}
     return maxtext_step.parse_log(text)
 
 

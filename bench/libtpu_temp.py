@@ -29,12 +29,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table, worker_row
 from bench.dump_peak import allocations
 
 STUDY = "libtpu_temp"
@@ -192,12 +191,7 @@ def run_point(point: str) -> dict:
     with tempfile.TemporaryDirectory() as dump:
         env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}", "JAX_PLATFORMS": "cpu"}
         cmd = [sys.executable, "-m", "bench.libtpu_temp", "--worker", point, "--dump", dump]
-        got = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    rows = [line for line in got.stdout.splitlines() if line.startswith("{")]
-    if got.returncode != 0 or not rows:
-        tail = (got.stderr or "no output").strip().splitlines()[-1]
-        return {"point": point, "status": f"failed: {tail[:300]}"}
-    return json.loads(rows[-1])
+        return worker_row(point, cmd, timeout=1800, env=env)
 
 
 def plot(payload: dict):

@@ -17,12 +17,9 @@ inside the rematerialised layer scan with jax 0.10.2 (see the README).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 
-from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table, worker_row
 
 STUDY = "step_compile"
 GIB = 2**30
@@ -102,20 +99,7 @@ def worker(point: str, target: str) -> dict:
 
 def run_point(point: str, target: str, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "bench.step_compile", "--target", target, "--worker", point]
-    start = time.perf_counter()
-    try:
-        got = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ)
-    except subprocess.TimeoutExpired:
-        return {"point": point, "status": f"timeout after {timeout:.0f} s"}
-    rows = [line for line in got.stdout.splitlines() if line.startswith("{")]
-    if got.returncode != 0 or not rows:
-        tail = (got.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        return {
-            "point": point,
-            "status": f"failed: {tail[0][:300]}",
-            "seconds": time.perf_counter() - start,
-        }
-    return json.loads(rows[-1])
+    return worker_row(point, cmd, timeout)
 
 
 def plot(payload: dict):
