@@ -13,7 +13,7 @@ from jax._src import mesh_utils  # the assignment MaxText's create_device_mesh r
 
 import selector
 from selector.maxtext.importer import route_fixes
-from selector.maxtext.torus import MESH_AXES, unassigned_axis
+from selector.maxtext.torus import MAXTEXT_MESH_AXES, unassigned_axis
 from selector.targets import torus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def test_maxtexts_own_failure_is_refused_before_launch(maxtext_dir):
         and "compile_topology=v5p-128" in command
     ]
     assert failed and all("logical_axis_index 5 of size 2" in e["message"] for _, e in failed)
-    assert MESH_AXES[5] == "context"
+    assert MAXTEXT_MESH_AXES[5] == "context"
     command = failed[0][0]
     over = [kv for kv in command.split()[5:] if "=" in kv]
 

@@ -26,7 +26,7 @@ from ..targets import torus
 from .files import coerce
 
 # MaxText 0.2.5's base.yml mesh_axes, used when a config does not list its own.
-MESH_AXES = (
+MAXTEXT_MESH_AXES = (
     "diloco",
     "data",
     "stage",
@@ -72,7 +72,7 @@ def _ici_sizes(raw: dict, mesh: MeshView, axes) -> tuple[list[str], list[int]]:
     """MaxText's mesh axes and each one's size within a slice, as the check resolved
     them. An axis it does not model counts as 1 (MAXTEXT_AXIS_NOT_MODELLED names one set
     above 1, and the sizes then fall short of the slice, which is not checked here)."""
-    names = [str(a) for a in axes or raw.get("mesh_axes") or MESH_AXES]
+    names = [str(a) for a in axes or raw.get("mesh_axes") or MAXTEXT_MESH_AXES]
     modelled, dcn = dict(mesh.sizes), dict(mesh.dcn_sizes)
     return names, [modelled.get(n, 1) // dcn.get(n, 1) for n in names]
 
@@ -94,14 +94,14 @@ def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView, axes=None) -> list
     if index is None:
         return []
     shape = "x".join(map(str, physical))
-    axes = ", ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True) if s > 1)
+    placed = ", ".join(f"{n}={s}" for n, s in zip(names, sizes, strict=True) if s > 1)
     return [
         error(
             "MAXTEXT_MESH_NOT_ON_TORUS",
             f"ici_{names[index]}_parallelism",
             f"MaxText cannot lay this mesh on a {chips}-chip v5p slice ({shape}): "
             f"{names[index]}={sizes[index]} is not the product of whole physical axes left "
-            f"once the axes after it in mesh_axes are placed ({axes}), so its "
+            f"once the axes after it in mesh_axes are placed ({placed}), so its "
             "create_device_mesh stops at start-up with NotImplementedError (MaxText 0.2.5's "
             "train_compile did, for v5p-128 with context 2 beside fsdp 32). Let it split a "
             "physical axis (fewer links for that axis), or choose sizes that are products "
