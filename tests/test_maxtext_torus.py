@@ -123,12 +123,15 @@ def test_a_bad_switch_is_named(maxtext_dir):
 
 def test_small_and_other_slices_are_not_checked(maxtext_dir):
     """v5p's 2x2x2 slice has its own ordering (any shape), v6e slices theirs, and a chip
-    count that is no v5p slice (24) is left to the other checks."""
+    count that is no v5p slice (24) or a mesh that does not resolve is left to the other
+    checks."""
     base = str(maxtext_dir / "configs" / "base.yml")
     for over in (
         ["compile_topology=v5p-16", "ici_context_parallelism=8", "ici_fsdp_parallelism=1"],
         ["compile_topology=v6e-64", "ici_context_parallelism=2", "ici_fsdp_parallelism=32"],
         ["num_devices=24", "ici_context_parallelism=2"],
+        # More devices than the slice has: no mesh resolves, and the mesh's own finding says so.
+        ["compile_topology=v5p-128", "ici_context_parallelism=4", "ici_expert_parallelism=32"],
     ):
         codes = [f.code for f in selector.from_maxtext(base, over).findings]
         assert "MAXTEXT_MESH_NOT_ON_TORUS" not in codes, over

@@ -77,12 +77,12 @@ def _ici_sizes(raw: dict, mesh: MeshView, axes) -> tuple[list[str], list[int]]:
     return names, [modelled.get(n, 1) // dcn.get(n, 1) for n in names]
 
 
-def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView, axes=None) -> list[Finding]:
+def mesh_not_on_torus(raw: dict, cfg: Config, mesh: MeshView | None, axes=None) -> list[Finding]:
     """MAXTEXT_MESH_NOT_ON_TORUS when MaxText could not lay the mesh on a v5p slice.
     `axes`: the mesh_axes a custom_mesh_and_rule file gives, which replace the config's."""
     split = coerce("allow_split_physical_axes", raw.get("allow_split_physical_axes", False), bool)
-    if cfg.hardware.name != "v5p" or split:
-        return []
+    if mesh is None or cfg.hardware.name != "v5p" or split:
+        return []  # a mesh that does not resolve is reported by the mesh's own finding
     chips = mesh.num_devices // max(cfg.num_slices, 1)
     if chips <= 8 or chips & (chips - 1):
         return []
