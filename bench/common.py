@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -310,3 +311,16 @@ def prediction_errors(
 ) -> list[float]:
     """|error| of every prediction in bench.scale's rows (stored as '+1.2%' strings)."""
     return [abs(float(r[k].rstrip("%")) / 100) for r in rows for k in keys]
+
+
+def stack() -> str:
+    """The compiler stack a study ran on: jax and the TPU and GPU plugins installed."""
+    import jax
+
+    libs = []
+    for name in ("libtpu", "jax-cuda12-plugin"):
+        try:
+            libs.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join([f"jax {jax.__version__}", *libs])

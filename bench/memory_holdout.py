@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from importlib import metadata
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from bench.common import RESULTS, arguments, pyplot, save, table
+from bench.common import RESULTS, arguments, pyplot, save, stack, table
 from bench.common import load as stored
 
 STUDY = "memory_holdout"
@@ -53,18 +52,6 @@ COLUMNS = [
     ("estimate_mib", "estimate MiB"),
     ("error", "error"),
 ]  # one row a program (the JSON's rows)
-
-
-def stack() -> str:
-    import jax
-
-    libs = []
-    for name in ("libtpu", "jax-cuda12-plugin"):
-        try:
-            libs.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return ", ".join([f"jax {jax.__version__}", *libs])
 
 
 def programs():

@@ -5,6 +5,10 @@ time for 64 chips at the real shape, beside the estimate's whole-step bytes
 
     python -m bench.step_compile --target tpu --points qwen3_30b_a3b:1,mixtral_8x7b:4
 
+`--into NAME` writes the rows to bench/results/NAME.json and .png instead of the target's
+own study (`step_compile`, `step_compile_gpu`), e.g. `--into step_compile_jax012` for the
+same points compiled on the jax 0.12 stack.
+
 A point is MODEL:CP: 64 chips (v5p:4x4x4 for tpu, 64 H200s as 8 nodes of 8 for gpu),
 ici_fsdp_parallelism = 64 / CP, ici_context_parallelism = CP, max_target_length 8192 and
 per_device_batch_size 1 / CP, so each device holds one 8,192-token sequence's shard. Each
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import sys
 
-from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table, worker_row
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, stack, table, worker_row
 
 STUDY = "step_compile"
 GIB = 2**30
@@ -114,7 +118,10 @@ def plot(payload: dict):
         "GiB a device",
     )
     ax.axhline(payload["chip_gib"], color="grey", linestyle="--", label="chip memory")
-    ax.set_title(f"Whole training step, {CHIPS} {payload['target']} chips, {SEQ} tokens a sequence")
+    ax.set_title(
+        f"Whole training step, {CHIPS} {payload['target']} chips, {SEQ} tokens a sequence\n"
+        f"{payload.get('stack', 'jax 0.10.2')}"
+    )
     ax.legend()
     return fig
 
@@ -132,11 +139,13 @@ def main() -> None:
             "action": "store_true",
             "help": "keep the compiled numbers in the JSON and redo only the estimates",
         },
+        into={"default": None, "help": "the study's name to write (default: the target's)"},
     )
     if args is None:
         return
+    name = args.into or study(args.target)
     if args.re_estimate:
-        re_estimate(args.target)
+        re_estimate(args.target, name)
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.target)))
@@ -145,16 +154,21 @@ def main() -> None:
 
     chip = selector.to_config(selector.compose([f"hardware={HARDWARE[args.target]}"])).hardware
     # The target's stored rows are kept; each point compiled replaces its own row.
-    stored = RESULTS / f"{study(args.target)}.json"
+    stored = RESULTS / f"{name}.json"
     rows = json.loads(stored.read_text())["rows"] if stored.exists() else []
     for point in args.points.split(","):
         print(f"compiling {point} for {args.target} ...", flush=True)
         row = run_point(point, args.target, args.timeout)
         rows = sorted([r for r in rows if r["point"] != point] + [row], key=_order)
         print(table([row], COLUMNS), flush=True)
-        payload = {"target": args.target, "chip_gib": chip.memory_gib, "rows": rows}
+        payload = {
+            "target": args.target,
+            "chip_gib": chip.memory_gib,
+            "stack": stack(),
+            "rows": rows,
+        }
         # Saved after every point: compiles are long.
-        paths = save(study(args.target), payload, plot(payload))
+        paths = save(name, payload, plot(payload))
     print(table(rows, COLUMNS))
     print("wrote", *paths)
 
@@ -164,12 +178,12 @@ def _order(row: dict) -> tuple[str, int]:
     return model, int(cp)
 
 
-def re_estimate(target: str) -> None:
+def re_estimate(target: str, name: str) -> None:
     """The stored compiled rows with the current selector's estimate beside them (the
     compiles take minutes each; the estimate is a function of the same config)."""
     import selector
 
-    payload = json.loads((RESULTS / f"{study(target)}.json").read_text())
+    payload = json.loads((RESULTS / f"{name}.json").read_text())
     for row in payload["rows"]:
         if row.get("status") != "ok":
             continue
@@ -181,7 +195,7 @@ def re_estimate(target: str) -> None:
         row["estimate_breakdown"] = est.device_breakdown
         row["error"] = est.device_bytes / (row["peak_gib"] * GIB) - 1
     print(table(payload["rows"], COLUMNS))
-    print("wrote", *save(study(target), payload, plot(payload)))
+    print("wrote", *save(name, payload, plot(payload)))
 
 
 def _key(name: str):

@@ -35,7 +35,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from . import time_calibration
-from .config import Config, Dispatch, Exchange
+from .config import Config, Dispatch, Exchange, Mode
 from .memory_model import (
     ROUTER_BYTES,
     HeldBuffers,
@@ -198,12 +198,16 @@ def forward_flops(strategy: Dispatch, p: DeviceProblem) -> float:
     return ffn + router + einsums + shared
 
 
+def routed_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
+    """The routed experts' three matrices one device holds at rest (param_dtype)."""
+    return 3 * p.E * p.M * p.H * hidden_shards * p.pb / p.rest_shards
+
+
 def weight_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
     """Expert weights (routed and shared) and router kernel one device holds at rest
     (param_dtype); the shared experts rest split over the embed and hidden axes."""
-    experts = 3 * p.E * p.M * p.H * hidden_shards * p.pb / p.rest_shards
     shared = 3 * p.M * p.Hs * p.pb / p.gate_shards
-    return experts + shared + p.M * p.E * p.pb / p.gate_shards
+    return routed_rest_bytes(p, hidden_shards) + shared + p.M * p.E * p.pb / p.gate_shards
 
 
 def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
@@ -341,7 +345,12 @@ def estimate(
     parts = tuple(t * factor for t in parts)
     state = state_bytes(cfg, p, rest)
     moe_weights = rest * max(cfg.num_moe_layers, 1)
-    step = step_memory(cfg, mesh, dev, state, moe_weights)
+    layers = max(cfg.num_moe_layers, 1)
+    hidden_shards = mesh.product(place.hidden_axes)
+    relaid = (
+        routed_rest_bytes(p, hidden_shards) * layers if relaid_for_gather(cfg, mesh, place) else 0.0
+    )
+    step = step_memory(cfg, mesh, dev, state, moe_weights, relaid)
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,
@@ -360,6 +369,25 @@ def estimate(
         tile_options=p.tile_options if strategy is Dispatch.megablox else (),
     )
     return with_memory(est, memory, hw.memory_gib)
+
+
+def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bool:
+    """Whether XLA:GPU holds the routed experts' stacked matrices once more, laid out for
+    their all-gather. Its all-gather works on an array's leading dimension, and an expert
+    matrix (E, emb, hidden) or (E, hidden, emb) gathered over emb while more than one
+    expert rests on a device is not gathered along it: the compiler copies the whole
+    layer stack of each such matrix, in its stored dtype, into a layout with emb leading
+    (hoisted out of the layer loop) and casts the gathered layer instead. Read in this
+    project's H200 step dumps (`bench.dump_peak`): Mixtral-8x7B at cp 1 holds three
+    f32[64, 32, 8, 14336] `wrapped_transpose` stacks and no bfloat16 copy of them
+    (bfloat16 ones with bfloat16 weights); Qwen3-30B-A3B three f32[32, 48, 128, 768].
+    XLA:TPU gathers them in place (`test_tpu_step_gathers_the_expert_stacks_in_place`).
+    Read in training steps only: serving programs are counted without the copy."""
+    if cfg.hardware.platform != "gpu" or cfg.mode is not Mode.train:
+        return False
+    if mesh.product(place.embed_axes) <= 1:
+        return False
+    return cfg.num_experts // max(mesh.product(place.experts_axes), 1) > 1
 
 
 def with_memory(est: Estimate, memory: Memory, memory_gib: float) -> Estimate:

@@ -96,10 +96,13 @@ class StepMemory:
     """Bytes one device holds for the step, apart from the MoE block's own program."""
 
     weights: float  # every parameter at rest (the MoE layers' by their placement)
-    # The layers' weights in the compute dtype, when stored in another: XLA converts the
-    # scanned layers' stacked weights once, outside the layer loop, and holds the copy
-    # through the step (read in MaxText 0.2.5's compiled step: 6.96 GiB of bf16 copies of
-    # the float32 layer weights for Qwen3-30B-A3B on 8 v5p chips).
+    # The layers' weights once more. In the compute dtype, when stored in another: XLA
+    # converts the scanned layers' stacked weights once, outside the layer loop, and holds
+    # the copy through the step (read in MaxText 0.2.5's compiled step: 6.96 GiB of bf16
+    # copies of the float32 layer weights for Qwen3-30B-A3B on 8 v5p chips). Except the
+    # expert matrices XLA:GPU gathers along a dimension that is not their leading one:
+    # those it copies whole, in their stored dtype, into the layout its all-gather needs
+    # (`moe_relaid`), and does not cast them.
     weights_cast: float
     gradients: float
     optimizer: float
@@ -281,11 +284,18 @@ def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
 
 
 def step_memory(
-    cfg: Config, mesh: MeshView, dev: PerDevice, moe_state: float, moe_weights: float
+    cfg: Config,
+    mesh: MeshView,
+    dev: PerDevice,
+    moe_state: float,
+    moe_weights: float,
+    moe_relaid: float = 0.0,
 ) -> StepMemory:
     """The step's memory outside the MoE block's program. `moe_state`: every MoE layer's
     weights, gradients and optimizer state at rest (`cost.state_bytes`); `moe_weights`:
-    of those, the weights alone."""
+    of those, the weights alone; `moe_relaid`: of those, the routed experts' matrices
+    the compiler holds once more in their stored dtype, laid out for their all-gather
+    (`cost.relaid_for_gather`), instead of a compute-dtype cast of them (0 when none)."""
     train = cfg.mode is Mode.train
     xb, pb = DTYPE_BYTES.get(cfg.dtype, 4), DTYPE_BYTES.get(cfg.param_dtype, 4)
     params = model_params(cfg)
@@ -294,7 +304,9 @@ def step_memory(
     # Of those, the ones inside the scanned layers (not the embedding, head, final norm).
     outside = params.embedding + params.head + params.final_norm
     layer_other = other - outside / non_expert_shards(mesh)
-    cast = (layer_other * xb + moe_weights / pb * xb) if cfg.param_dtype != cfg.dtype else 0.0
+    recast = cfg.param_dtype != cfg.dtype
+    moe_copy = moe_relaid + ((moe_weights - moe_relaid) / pb * xb if recast else 0.0)
+    cast = (layer_other * xb if recast else 0.0) + moe_copy
     moe_grads = moe_weights if train else 0.0
     tokens = dev.tokens_per_device
     hidden = mesh.product(mesh.hidden_axes)

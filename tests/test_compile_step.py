@@ -54,6 +54,11 @@ def tpu_step():
     return compiled("hardware=v5p", "gmm_backend=tiled_gmm", target=targets.Target("v5p", 8))
 
 
+@pytest.fixture(scope="module")
+def gpu_step():
+    return compiled("hardware=h200", target=targets.Target("h200", 8))
+
+
 def trip_counts(text: str) -> list[int]:
     return [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', text)]
 
@@ -164,3 +169,45 @@ def test_compile_mode_speaks_for_the_whole_step(jax_cpu8):
     assert any("whole training step" in line for line in heard)
     text = "\n".join(render_compiled(result, 1.0))
     assert "whole step" in text
+
+
+def expert_stack(cfg, plan) -> tuple[list[int], float]:
+    """One expert matrix's layer stack as a device holds it for its all-gather, with the
+    embed shard leading (emb / embed shards, layers, local experts, hidden / hidden
+    shards), and the bytes of all three matrices' stacks in float32 (tiny's weights)."""
+    c = selector.to_config(cfg)
+    place, mesh = plan.placement, plan.mesh
+    shape = [
+        c.base_emb_dim // mesh.product(place.embed_axes),
+        LAYERS,
+        c.num_experts // mesh.product(place.experts_axes),
+        c.base_moe_mlp_dim // mesh.product(place.hidden_axes),
+    ]
+    return shape, 3 * 4 * shape[0] * shape[1] * shape[2] * shape[3]
+
+
+def relaid_stacks(cfg, plan, text: str) -> list[str]:
+    """Instructions of the compiled program whose result is such a stack."""
+    dims = ",".join(map(str, expert_stack(cfg, plan)[0]))
+    return re.findall(rf"= f32\[{dims}\]\{{[^}}]*\}} \S+\(", text)
+
+
+def test_gpu_step_holds_the_expert_stacks_relaid_and_the_estimate_counts_them(gpu_step):
+    """XLA:GPU all-gathers along an array's leading dimension: it copies each expert
+    matrix's whole layer stack, in the stored dtype, into a layout with the embed shard
+    leading (three matrices), and the estimate's weights_cast counts that copy (tiny
+    stores and computes in float32, so nothing else is cast). Read from the compiled
+    HLO."""
+    cfg, plan, program, _ = gpu_step
+    assert plan.placement.embed_axes, "a placement that gathers over embed"
+    assert len(relaid_stacks(cfg, plan, program.as_text())) >= 3
+    cast = plan.chosen_estimate.device_breakdown["weights_cast"]
+    assert cast == pytest.approx(expert_stack(cfg, plan)[1], rel=1e-9)
+
+
+def test_tpu_step_gathers_the_expert_stacks_in_place(tpu_step):
+    """XLA:TPU makes no such copy, and the estimate counts none."""
+    cfg, plan, program, _ = tpu_step
+    assert plan.placement.embed_axes, "a placement that gathers over embed"
+    assert relaid_stacks(cfg, plan, program.as_text()) == []
+    assert plan.chosen_estimate.device_breakdown["weights_cast"] == 0
