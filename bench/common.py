@@ -216,13 +216,22 @@ def worker_row(point: str, cmd: list[str], timeout: float, env: dict | None = No
         return {"point": point, "status": f"timeout after {timeout:.0f} s"}
     row = last_json_line(got.stdout)
     if got.returncode != 0 or row is None:
-        tail = (got.stderr or "").strip().splitlines()[-1:] or ["no output"]
         return {
             "point": point,
-            "status": f"failed: {tail[0][:300]}",
+            "status": f"failed: {failure_line(got.stderr or '')[:300]}",
             "seconds": time.perf_counter() - start,
         }
     return row
+
+
+def failure_line(stderr: str) -> str:
+    """What a failed worker's stderr says went wrong: its first fatal line (an abort's
+    log ends in a stack trace banner, not the reason), else its last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    for line in lines:
+        if "Fatal Error" in line or line.startswith("F1") or line.startswith("F0"):
+            return line
+    return lines[-1] if lines else "no output"
 
 
 def paired_bars(ax, labels, left: tuple[list, str], right: tuple[list, str], unit: str) -> None:

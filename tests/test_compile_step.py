@@ -211,3 +211,22 @@ def test_tpu_step_gathers_the_expert_stacks_in_place(tpu_step):
     assert plan.placement.embed_axes, "a placement that gathers over embed"
     assert relaid_stacks(cfg, plan, program.as_text()) == []
     assert plan.chosen_estimate.device_breakdown["weights_cast"] == 0
+
+
+def test_cost_analysis_reads_what_jax_012s_xla_gpu_prints():
+    """jax 0.12.0.1's XLA:GPU prints all-reduce-start with output_to_operand_aliasing,
+    which its HLO parser rejects; the cost analysis drops that attribute and nothing
+    else. The line is from that compiler's program for 64 H200s (Qwen3-30B-A3B, cp 1)."""
+    from checks.compiled import _OPERAND_ALIASING
+
+    printed = (
+        "%all-reduce-start.1 = ((f32[256]{0}), f32[256]{0}) all-reduce-start("
+        "%wrapped_concatenate.1), channel_id=1, use_global_device_ids=true, "
+        "to_apply=%region_79.84, output_to_operand_aliasing={{1}: (0, {})}, "
+        'metadata={op_name="jit(step)"}'
+    )
+    assert _OPERAND_ALIASING.sub("", printed) == (
+        "%all-reduce-start.1 = ((f32[256]{0}), f32[256]{0}) all-reduce-start("
+        "%wrapped_concatenate.1), channel_id=1, use_global_device_ids=true, "
+        'to_apply=%region_79.84, metadata={op_name="jit(step)"}'
+    )
