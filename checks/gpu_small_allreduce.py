@@ -1,8 +1,9 @@
 """Does XLA:GPU compile a small all-reduce over a two-axis device group? A standing check
 of the installed compiler, for the abort found on jax 0.12.0.1 (jax-cuda12-plugin
 0.12.0.1): an LLVM fatal error in XLA:GPU's Triton all-reduce kernel ("size mismatch
-when packing elements for LLVM struct") for a scalar pmax or psum over (fsdp, context) of
-64 H200s, where 16 and 32 devices, and one axis of 64, compile.
+when packing elements for LLVM struct") for a scalar pmax or psum over two mesh axes of
+64 H200s (16 x 4 or 8 x 8), where 16, 32 and 128 devices over two axes, and one axis of
+64, compile. jax 0.10.2 compiles every case.
 
     python -m checks.gpu_small_allreduce            # every case, one process each
 
@@ -22,6 +23,8 @@ CASES = (
     (32, (8, 4), ("fsdp", "context")),
     (64, (16, 4), ("fsdp",)),
     (64, (16, 4), ("fsdp", "context")),
+    (64, (8, 8), ("fsdp", "context")),
+    (128, (32, 4), ("fsdp", "context")),
 )
 
 
@@ -51,19 +54,24 @@ def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...]) -> N
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--case":
-        chips, rows = int(sys.argv[2]), int(sys.argv[2]) // 4
-        compile_case(chips, (rows, 4), tuple(sys.argv[3].split(",")))
+    if len(sys.argv) == 5 and sys.argv[1] == "--case":
+        chips, context = int(sys.argv[2]), int(sys.argv[3])
+        compile_case(chips, (chips // context, context), tuple(sys.argv[4].split(",")))
         print("compiled")
         return
     from bench.common import failure_line
 
-    for chips, _, axes in CASES:
+    for chips, (_, context), axes in CASES:
         cmd = [sys.executable, "-m", "checks.gpu_small_allreduce", "--case", str(chips)]
-        got = subprocess.run([*cmd, ",".join(axes)], capture_output=True, text=True)
+        got = subprocess.run([*cmd, str(context), ",".join(axes)], capture_output=True, text=True)
         ok = got.returncode == 0 and "compiled" in got.stdout
         said = "compiles" if ok else f"fails: {failure_line(got.stderr)[:160]}"
-        print(f"{chips} H200s, pmax over {' x '.join(axes)}: {said}", flush=True)
+        over = " x ".join(
+            f"{a}={n}"
+            for a, n in zip(("fsdp", "context"), (chips // context, context), strict=True)
+            if a in axes
+        )
+        print(f"{chips} H200s, pmax over {over}: {said}", flush=True)
 
 
 if __name__ == "__main__":
