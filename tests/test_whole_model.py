@@ -307,3 +307,39 @@ def test_qwen3_next_gated_deltanet_working_set_counted_by_hand(cp):
     gdn = weights * (2 + 4) + tokens * per_token
     parts = plan.chosen_estimate.device_breakdown
     assert parts["attention_peak"] == pytest.approx(gdn, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "relaid"),
+    [
+        # 8 experts over fsdp=8: every device holds all 8 experts' emb slices: relaid.
+        (("num_devices=8", "ici_fsdp_parallelism=8"), True),
+        # 2 experts a device (expert=4), emb gathered over fsdp=2: relaid.
+        (("num_devices=8", "ici_fsdp_parallelism=2", "ici_expert_parallelism=4"), True),
+        # one expert a device (expert=8), emb gathered over fsdp=2: its emb is leading.
+        (("num_devices=16", "ici_fsdp_parallelism=2", "ici_expert_parallelism=8"), False),
+        # one expert a device and nothing gathered over emb.
+        (("num_devices=8", "ici_fsdp_parallelism=1", "ici_expert_parallelism=8"), False),
+        # every expert on every device, nothing gathered (data=8): nothing relaid.
+        (("num_devices=8", "ici_fsdp_parallelism=1", "ici_data_parallelism=8"), False),
+    ],
+)
+def test_gpu_training_counts_the_expert_stacks_relaid_for_their_gather(mesh, relaid):
+    """On a GPU, training: the routed experts' stacks, whole in float32, in place of
+    their bfloat16 cast, when more than one expert rests on a device and emb is gathered
+    (selector.cost.relaid_for_gather); otherwise the cast, as on a TPU; serving, the cast
+    on both. Counted by hand: 3 matrices x E x emb x hidden x layers over the devices."""
+    over = ["model=mixtral_8x7b", "per_device_batch_size=1", "max_target_length=4096"]
+    over += ["dispatch=megablox", "expert_exchange=gather", *mesh]
+    cfg = selector.to_config(selector.compose(over))
+    routed = 3 * cfg.num_experts * cfg.base_emb_dim * cfg.base_moe_mlp_dim
+    routed *= cfg.num_moe_layers / cfg.num_devices  # the weights rest over every device
+
+    def cast(*more):
+        plan, _ = analyse(selector.to_config(selector.compose([*over, *more])))
+        return plan.chosen_estimate.device_breakdown["weights_cast"]
+
+    extra = routed * (4 - 2) if relaid else 0.0  # float32 stacks for bfloat16 casts
+    assert cast("hardware=h200") - cast("hardware=v5p") == pytest.approx(extra, rel=1e-9)
+    prefill = ("mode=prefill", "per_device_batch_size=1")
+    assert cast("hardware=h200", *prefill) == pytest.approx(cast("hardware=v5p", *prefill))
