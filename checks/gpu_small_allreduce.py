@@ -7,9 +7,10 @@ when packing elements for LLVM struct") for a scalar pmax or psum over two mesh 
 
     python -m checks.gpu_small_allreduce            # every case, one process each
 
-This project's exchanged block agrees on its round count with such a pmax, and sums its
-routing statistics with such psums, so on that stack its step for 64 H200s at cp 2 and 4
-does not compile (`bench.step_compile --target gpu`, docs/results/whole-step.md).
+This project's exchanged block agreed on its round count with a scalar pmax, so on that
+stack its step for 64 H200s at cp 2 and 4 did not compile. It now takes the max over
+ROUND_COUNT_LANES copies of the count (layers/expert_parallel.py), which each case here
+compiles too.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ CASES = (
 )
 
 
-def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...]) -> None:
-    """Compile one scalar pmax over `axes` for `chips` abstract H200s (this process)."""
+def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...], lanes: int) -> None:
+    """Compile one pmax of `lanes` int32 (1: a scalar) over `axes` for `chips` abstract
+    H200s (this process)."""
     from checks.targets import devices
     from selector.targets import Target, prepare_process
 
@@ -45,8 +47,9 @@ def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...]) -> N
     spec = P(("fsdp", "context"))
 
     def body(counts):
-        most = jax.lax.pmax(jnp.max(counts), axes)
-        return jnp.zeros_like(counts) + most
+        local = jnp.max(counts)
+        most = jax.lax.pmax(jnp.full((lanes,), local) if lanes > 1 else local, axes)
+        return jnp.zeros_like(counts) + (most[0] if lanes > 1 else most)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
     arg = jax.ShapeDtypeStruct((4 * chips,), jnp.int32, sharding=NamedSharding(mesh, spec))
@@ -54,24 +57,28 @@ def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...]) -> N
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--case":
-        chips, context = int(sys.argv[2]), int(sys.argv[3])
-        compile_case(chips, (chips // context, context), tuple(sys.argv[4].split(",")))
+    if len(sys.argv) == 6 and sys.argv[1] == "--case":
+        chips, context, lanes = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+        compile_case(chips, (chips // context, context), tuple(sys.argv[4].split(",")), lanes)
         print("compiled")
         return
     from bench.common import failure_line
+    from layers.expert_parallel import ROUND_COUNT_LANES
 
     for chips, (_, context), axes in CASES:
-        cmd = [sys.executable, "-m", "checks.gpu_small_allreduce", "--case", str(chips)]
-        got = subprocess.run([*cmd, str(context), ",".join(axes)], capture_output=True, text=True)
-        ok = got.returncode == 0 and "compiled" in got.stdout
-        said = "compiles" if ok else f"fails: {failure_line(got.stderr)[:160]}"
         over = " x ".join(
             f"{a}={n}"
             for a, n in zip(("fsdp", "context"), (chips // context, context), strict=True)
             if a in axes
         )
-        print(f"{chips} H200s, pmax over {over}: {said}", flush=True)
+        for lanes in (1, ROUND_COUNT_LANES):
+            cmd = [sys.executable, "-m", "checks.gpu_small_allreduce", "--case", str(chips)]
+            cmd += [str(context), ",".join(axes), str(lanes)]
+            got = subprocess.run(cmd, capture_output=True, text=True)
+            ok = got.returncode == 0 and "compiled" in got.stdout
+            said = "compiles" if ok else f"fails: {failure_line(got.stderr)[:160]}"
+            what = "a scalar" if lanes == 1 else f"{lanes} int32 (the exchange's round count)"
+            print(f"{chips} H200s, pmax of {what} over {over}: {said}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ run of that list. The exchange is dropless with static, bounded buffers:
   sort copy). No (rows x emb) array is ever held: only the round buffers, and the
   hidden-sized buffers hold B rows, not G x B;
 - the number of rounds is ceil(max rows any device sends any owner / B), agreed by
-  one scalar `pmax` (counted once a step: the backward reuses the forward's count).
+  one `pmax` (counted once a step: the backward reuses the forward's count).
   Round buffers are what the exchange holds, so B is a fraction of the even share
   (`expert_buffer_factor`, default 0.5625: two rounds under balanced routing), and
   skewed routing (every token to one expert) takes more rounds instead of dropping rows
@@ -185,10 +185,18 @@ def _routing(group_sizes_E, ex: ExchangeGroup, local_experts: int):
     return starts.astype(jnp.int32), per_owner.astype(jnp.int32)
 
 
+# The round count is agreed as a pmax over this many copies of it, not over a scalar:
+# XLA:GPU in jax 0.12.0.1 aborts compiling a pmax of up to 128 int32 over two mesh axes
+# of 64 GPUs (an LLVM fatal error in its Triton all-reduce kernel) and compiles 256
+# (`python -m checks.gpu_small_allreduce`). 1 KiB where 4 bytes would do, once a step.
+ROUND_COUNT_LANES = 256
+
+
 def rounds_needed(counts_G, buffer_rows: int, ex: ExchangeGroup):
     """The global number of exchange rounds: the largest send of any device, in
-    buffers of B (every device agrees through one scalar pmax)."""
-    most = lax.pmax(jnp.max(counts_G), ex.count_axes)
+    buffers of B (every device agrees through one pmax, ROUND_COUNT_LANES wide)."""
+    lanes = jnp.full((ROUND_COUNT_LANES,), jnp.max(counts_G))
+    most = lax.pmax(lanes, ex.count_axes)[0]
     return (most + buffer_rows - 1) // buffer_rows
 
 
