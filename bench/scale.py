@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     prediction_errors,
     pyplot,
     save,
+    stack,
     table,
 )
 from bench.points import Point, device_count, measure, predicted  # noqa: E402
@@ -229,9 +230,12 @@ def main() -> None:
     parser.add_argument(
         "--target", choices=("tpu", "gpu"), help="compile for v5p slices or H200 nodes instead"
     )
+    parser.add_argument(
+        "--into", metavar="NAME", help="with --target: the study to write (default scale_TARGET)"
+    )
     args = parser.parse_args()
     if args.target:
-        return run_target(args.target, args.only, args.repredict)
+        return run_target(args.target, args.only, args.repredict, args.into)
     if args.replot or args.repredict:
         payload = load("scale")
         if args.repredict:  # the selector's side again, from each point's config
@@ -266,8 +270,12 @@ def compile_all(todo, study: str, only: str | None) -> list[dict]:
     return rows
 
 
-def run_target(target: str, only: str | None, repredict: bool = False) -> None:
-    study = f"scale_{target}"
+def run_target(
+    target: str, only: str | None, repredict: bool = False, into: str | None = None
+) -> None:
+    """Compile the target's points into `into` (default scale_TARGET), e.g. scale_tpu_jax012
+    for the same points on the jax 0.12 stack; the payload names the stack."""
+    study = into or f"scale_{target}"
     todo = target_points(target)
     if repredict:  # the selector's side again (after a new calibration), XLA's kept
         stored = StoredRows(load(study)["rows"], None)
@@ -278,12 +286,14 @@ def run_target(target: str, only: str | None, repredict: bool = False) -> None:
         print(f"compiled by {COMPILERS[target]}")
         summarise(rows)
         payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
+        payload["stack"] = stack()
         print("wrote", *save(study, payload, plot(payload)))
         return
     rows = compile_all(todo, study, only)
     print(f"compiled by {COMPILERS[target]}")
     summarise(rows)
     payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
+    payload["stack"] = stack()
     print("wrote", *save(study, payload, plot(payload)))
 
 
