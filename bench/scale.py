@@ -278,22 +278,21 @@ def run_target(
     study = into or f"scale_{target}"
     todo = target_points(target)
     if repredict:  # the selector's side again (after a new calibration), XLA's kept
-        stored = StoredRows(load(study)["rows"], None)
+        previous = load(study)
+        stored = StoredRows(previous["rows"], None)
         rows = [
             row(model, split, p, {**stored.pop(p.label())["raw"], **predicted(p)})
             for model, split, p in todo
         ]
-        print(f"compiled by {COMPILERS[target]}")
-        summarise(rows)
-        payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
-        payload["stack"] = stack()
-        print("wrote", *save(study, payload, plot(payload)))
-        return
-    rows = compile_all(todo, study, only)
+        compiled_on = previous.get("stack")  # the compiles' stack, not this process's
+    else:
+        rows = compile_all(todo, study, only)
+        compiled_on = stack()
     print(f"compiled by {COMPILERS[target]}")
     summarise(rows)
     payload = {"rows": rows, "models": MODELS, "compiler": COMPILERS[target], "target": target}
-    payload["stack"] = stack()
+    if compiled_on:
+        payload["stack"] = compiled_on
     print("wrote", *save(study, payload, plot(payload)))
 
 

@@ -156,6 +156,7 @@ def main() -> None:
     # The target's stored rows are kept; each point compiled replaces its own row.
     stored = RESULTS / f"{name}.json"
     rows = json.loads(stored.read_text())["rows"] if stored.exists() else []
+    compiled_on = stack()
     for point in args.points.split(","):
         print(f"compiling {point} for {args.target} ...", flush=True)
         row = run_point(point, args.target, args.timeout)
@@ -164,7 +165,7 @@ def main() -> None:
         payload = {
             "target": args.target,
             "chip_gib": chip.memory_gib,
-            "stack": stack(),
+            "stack": compiled_on,
             "rows": rows,
         }
         # Saved after every point: compiles are long.

@@ -318,7 +318,8 @@ def estimate(
     dev: PerDevice,
 ) -> Estimate:
     p = problem_shape(cfg, mesh, dev, place)
-    rest = weight_rest_bytes(p, mesh.product(place.hidden_axes))
+    hidden_shards = mesh.product(place.hidden_axes)
+    rest = weight_rest_bytes(p, hidden_shards)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
     key = program_key(strategy, place.exchange, cfg)
     held = held_buffers(
@@ -344,13 +345,9 @@ def estimate(
     factor = time_factor(cfg, key)
     parts = tuple(t * factor for t in parts)
     state = state_bytes(cfg, p, rest)
-    moe_weights = rest * max(cfg.num_moe_layers, 1)
     layers = max(cfg.num_moe_layers, 1)
-    hidden_shards = mesh.product(place.hidden_axes)
-    relaid = (
-        routed_rest_bytes(p, hidden_shards) * layers if relaid_for_gather(cfg, mesh, place) else 0.0
-    )
-    step = step_memory(cfg, mesh, dev, state, moe_weights, relaid)
+    relaid = routed_rest_bytes(p, hidden_shards) if relaid_for_gather(cfg, mesh, place) else 0.0
+    step = step_memory(cfg, mesh, dev, state, rest * layers, relaid * layers)
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,
