@@ -16,8 +16,10 @@ and HBM terms (bench.decide --from-counts reads these rows).
     python -m bench.calibrate --target tpu --rejudge  # the count again, nothing compiled
 
 Writes bench/results/calibrate_<target>.json and .png (counted against compiled temp,
-one panel per mode). --only TEXT compiles again just the points whose label holds TEXT
-(and any the JSON lacks).
+one panel per mode), or the study --into names (e.g. calibrate_tpu_jax012 for the same
+points compiled on the jax 0.12 stack); the payload names the stack that compiled it.
+--only TEXT compiles again just the points whose label holds TEXT (and any the JSON
+lacks).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench.common import (  # noqa: E402
     load,
     pyplot,
     save,
+    stack,
     table,
 )
 from bench.points import Point, measure, predicted  # noqa: E402
@@ -306,6 +309,9 @@ def main() -> None:
     )
     parser.add_argument("--only", metavar="TEXT", help=ONLY_HELP)
     parser.add_argument(
+        "--into", metavar="NAME", help="the study to write (default calibrate_TARGET[_MODES])"
+    )
+    parser.add_argument(
         "--modes",
         default=",".join(MODES),
         help="comma-separated modes to compile (default: all)",
@@ -313,7 +319,7 @@ def main() -> None:
     args = parser.parse_args()
     global SELECTED_MODES  # noqa: PLW0603 - one run, one selection, read by the point lists
     SELECTED_MODES = tuple(m for m in MODES if m in args.modes.split(","))
-    study = study_name(args.target)
+    study = args.into or study_name(args.target)
     if args.replot:
         payload = load(study)
         save(study, payload, plot(payload))
@@ -324,6 +330,8 @@ def main() -> None:
             args.target,
             repredicted(selected(fit_points(args.target)), stored["rows"]),
             repredicted(selected(holdout_points(args.target)), stored["holdout_rows"]),
+            study,
+            stored.get("stack"),  # the compiles' stack, not this process's
         )
         return
     stored = load(study) if args.only else {}
@@ -349,7 +357,7 @@ def main() -> None:
                 f"  [{i + 1}/{len(points)}] {point.label()}: {sink[-1]['temp'] / 2**20:.1f} MiB",
                 flush=True,
             )
-    report(args.target, rows, held)
+    report(args.target, rows, held, study, stack())
 
 
 def repredicted(points: list[Point], rows: list[dict]) -> list[dict]:
@@ -360,8 +368,10 @@ def repredicted(points: list[Point], rows: list[dict]) -> list[dict]:
     return [{**stored.pop(p.label()), **predicted(p)} for p in points]
 
 
-def report(target: str, rows: list[dict], held: list[dict]) -> None:
-    """Print the count's errors, write the JSON and PNG."""
+def report(
+    target: str, rows: list[dict], held: list[dict], study: str, compiled_on: str | None
+) -> None:
+    """Print the count's errors, write the study's JSON and PNG."""
     fit_errs, hold_errs = errors(rows), errors(held)
     print(f"\ncounted memory model on {COMPILERS[target]}")
     print("\nsmall points\n" + table(summary(fit_errs), CALIBRATION_COLUMNS))
@@ -384,7 +394,9 @@ def report(target: str, rows: list[dict], held: list[dict]) -> None:
         "rows": rows,
         "holdout_rows": held,
     }
-    print("\nwrote", *save(study_name(target), payload, plot(payload)))
+    if compiled_on:
+        payload["stack"] = compiled_on
+    print("\nwrote", *save(study, payload, plot(payload)))
 
 
 def study_name(target: str) -> str:
