@@ -9,9 +9,12 @@ time for 64 chips at the real shape, beside the estimate's whole-step bytes
 own study (`step_compile`, `step_compile_gpu`), e.g. `--into step_compile_jax012` for the
 same points compiled on the jax 0.12 stack.
 
-A point is MODEL:CP: 64 chips (v5p:4x4x4 for tpu, 64 H200s as 8 nodes of 8 for gpu),
-ici_fsdp_parallelism = 64 / CP, ici_context_parallelism = CP, max_target_length 8192 and
-per_device_batch_size 1 / CP, so each device holds one 8,192-token sequence's shard. Each
+A point is MODEL:CP or MODEL:CP:LAYERS (`base_num_decoder_layers=LAYERS`, for a model
+whose whole depth is more than the chips hold, e.g. `deepseek_v3:1:8`: its 3 dense
+layers and 5 MoE layers, as bench.maxtext_step compiles MaxText's step for it). 64
+chips (v5p:4x4x4 for tpu, 64 H200s as 8 nodes of 8 for gpu), ici_fsdp_parallelism =
+64 / CP, ici_context_parallelism = CP, max_target_length 8192 and per_device_batch_size
+1 / CP, so each device holds one 8,192-token sequence's shard. Each
 point compiles in its own process with a timeout (minutes each on 2 cores); one that
 fails or times out is recorded with its status and left out of the plot. On TPU the
 MoE layers use the tiled grouped matmul: the Pallas megablox kernel does not trace
@@ -53,7 +56,7 @@ COLUMNS = [
 ]
 
 
-def overrides(model: str, cp: int, target: str) -> list[str]:
+def overrides(model: str, cp: int, target: str, layers: int | None = None) -> list[str]:
     out = [
         f"model={model}",
         "mesh=v5p_128",
@@ -65,6 +68,8 @@ def overrides(model: str, cp: int, target: str) -> list[str]:
         f"per_device_batch_size={1 / cp}",
         "mode=train",
     ]
+    if layers:
+        out += [f"base_num_decoder_layers={layers}"]
     if target == "gpu":
         out += ["dcn_fsdp_parallelism=1"]
     return out + (["gmm_backend=tiled_gmm"] if target == "tpu" else [])
@@ -78,8 +83,8 @@ def worker(point: str, target: str) -> dict:
     import selector
     from checks.step import compile_step
 
-    model, cp = point.split(":")
-    cfg = selector.compose(overrides(model, int(cp), target))
+    model, cp, layers = parse(point)
+    cfg = selector.compose(overrides(model, cp, target, layers))
     plan, findings = selector.api.analyse_any(selector.to_config(cfg))
     if plan is None:
         return {"point": point, "status": "refused", "findings": [f.code for f in findings]}
@@ -174,9 +179,15 @@ def main() -> None:
     print("wrote", *paths)
 
 
-def _order(row: dict) -> tuple[str, int]:
-    model, cp = row["point"].split(":")
-    return model, int(cp)
+def parse(point: str) -> tuple[str, int, int | None]:
+    """(model, cp, layers or None) of MODEL:CP[:LAYERS]."""
+    model, cp, *layers = point.split(":")
+    return model, int(cp), int(layers[0]) if layers else None
+
+
+def _order(row: dict) -> tuple[str, int, int]:
+    model, cp, layers = parse(row["point"])
+    return model, layers or 0, cp
 
 
 def re_estimate(target: str, name: str) -> None:
@@ -188,8 +199,8 @@ def re_estimate(target: str, name: str) -> None:
     for row in payload["rows"]:
         if row.get("status") != "ok":
             continue
-        model, cp = row["point"].split(":")
-        cfg = selector.to_config(selector.compose(overrides(model, int(cp), target)))
+        model, cp, layers = parse(row["point"])
+        cfg = selector.to_config(selector.compose(overrides(model, cp, target, layers)))
         plan, _ = selector.api.analyse_any(cfg)
         est = plan.candidate(*_key(row["candidate"])).estimate
         row["estimate_gib"] = est.device_bytes / GIB

@@ -80,7 +80,10 @@ class DecoderLayout:
 
 def attention_table(cfg: selector.Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """name -> (shape, role a dim) of one layer's attention weights (selector.architecture
-    counts the same tensors). Small norm scales rest split like the embedding dim."""
+    counts the same tensors). Small norm scales rest split like the embedding dim, and so
+    do MLA's low-rank dims (MaxText 0.2.5's base.yml shards `q_lora` and `kv_lora` over
+    fsdp, the context axes and expert, as it shards `embed`): an up-projection held
+    whole would be DeepSeek-V3's 1.6 GiB a device at 8 layers."""
     emb, heads = cfg.base_emb_dim, cfg.base_num_query_heads
     if cfg.attention_type == "mla":
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -88,13 +91,13 @@ def attention_table(cfg: selector.Config) -> dict[str, tuple[tuple[int, ...], tu
         if cfg.q_lora_rank > 0:
             t["wq_a"] = ((emb, cfg.q_lora_rank), ("embed", None))
             t["q_norm"] = ((cfg.q_lora_rank,), ("embed",))
-            t["wq_b"] = ((cfg.q_lora_rank, heads * qk), (None, "hidden"))
+            t["wq_b"] = ((cfg.q_lora_rank, heads * qk), ("embed", "hidden"))
         else:
             t["wq"] = ((emb, heads * qk), ("embed", "hidden"))
         t["wkv_a"] = ((emb, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", None))
         t["kv_norm"] = ((cfg.kv_lora_rank,), ("embed",))
         width = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        t["wkv_b"] = ((cfg.kv_lora_rank, width), (None, "hidden"))
+        t["wkv_b"] = ((cfg.kv_lora_rank, width), ("embed", "hidden"))
         t["wo"] = ((heads * cfg.v_head_dim, emb), ("hidden", "embed"))
         return t
     hd, kv = cfg.head_dim, cfg.base_num_kv_heads

@@ -47,6 +47,23 @@ def cpu_step(jax_cpu8):
     return compiled()
 
 
+# Multi-head latent attention at tiny sizes (DeepSeek-V3's kind): its low-rank dims
+# (32, 16) split over the 8 devices as MaxText's q_lora/kv_lora rules split them.
+MLA = [
+    "attention_type=mla",
+    "q_lora_rank=32",
+    "kv_lora_rank=16",
+    "qk_nope_head_dim=16",
+    "qk_rope_head_dim=8",
+    "v_head_dim=16",
+]
+
+
+@pytest.fixture(scope="module")
+def mla_cpu_step(jax_cpu8):
+    return compiled(*MLA)
+
+
 @pytest.fixture(scope="module")
 def tpu_step():
     # The Pallas megablox kernel does not trace inside the rematerialised scan (jax
@@ -100,11 +117,13 @@ def test_flash_attention_matches_full_scores(jax_cpu8):
         assert jnp.allclose(g, w, atol=1e-5)
 
 
-def test_cpu_step_holds_every_parameter_and_adamw_state(cpu_step):
+@pytest.mark.parametrize("step", ["cpu_step", "mla_cpu_step"])
+def test_cpu_step_holds_every_parameter_and_adamw_state(step, request):
     """The arguments are the parameters (the selector's count x 4 bytes / 8 shards: every
-    weight is split over fsdp x context), AdamW's two float32 moments of each, the step
-    count and the tokens; the donated parameters and state come back in place."""
-    cfg, plan, program, numbers = cpu_step
+    weight is split over fsdp x context, MLA's up-projections included), AdamW's two
+    float32 moments of each, the step count and the tokens; the donated parameters and
+    state come back in place."""
+    cfg, plan, program, numbers = request.getfixturevalue(step)
     m = program.memory_analysis()
     count = model_params(selector.to_config(cfg)).total
     params = count * 4 // 8
