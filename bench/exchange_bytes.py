@@ -14,6 +14,8 @@ JSON holds both stacks' numbers side by side:
 
     python -m bench.exchange_bytes --label after            # jax of this python
     PYTHONPATH=. .nox/tests-3-12/bin/python -m bench.exchange_bytes --label after
+    python -m bench.exchange_bytes --label fsdp_folded --exchange all_to_all \
+        --expert_group expert_sequence_and_fsdp     # fsdp in the expert group as well
     python -m bench.exchange_bytes --replot
 """
 
@@ -58,14 +60,15 @@ def build_block(cfg, mesh):
     return nnx.eval_shape(lambda: layers.MoEBlock(plan, mesh=mesh, rngs=nnx.Rngs(0)))
 
 
-def compile_row(model: str, exchange: str, mesh, label: str) -> dict:
+def compile_row(model: str, exchange: str, mesh, label: str, group: str = "auto") -> dict:
     import jax
 
     import selector
     from checks.compiled import cost_analysis
     from layers.programs import compile_fwd_bwd
 
-    block = build_block(selector.compose(real_layer_overrides(model, exchange)), mesh)
+    overrides = [*real_layer_overrides(model, exchange), f"expert_group={group}"]
+    block = build_block(selector.compose(overrides), mesh)
     start = time.perf_counter()
     program = compile_fwd_bwd(block, 16, 8192)
     seconds = time.perf_counter() - start
@@ -77,6 +80,7 @@ def compile_row(model: str, exchange: str, mesh, label: str) -> dict:
         "jax": jax.__version__,
         "model": model,
         "exchange": exchange,
+        "expert_group": group,
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "bytes_gib": float(cost.get("bytes accessed", 0.0)) / 2**30,
         "flops": float(cost.get("flops", 0.0)),
@@ -130,6 +134,7 @@ def main() -> None:
         label={"default": "now", "help": "the rows' label (e.g. before, after)"},
         only={"default": None, "help": "compile only this model"},
         exchange={"default": None, "help": "compile only this exchange (gather, all_to_all)"},
+        expert_group={"default": "auto", "help": "the exchange's expert_group (label it too)"},
     )
     if args is None:
         return
@@ -146,7 +151,7 @@ def main() -> None:
         payload = {"rows": []}
     for model in MODELS if args.only is None else (args.only,):
         for exchange in EXCHANGES if args.exchange is None else (args.exchange,):
-            row = compile_row(model, exchange, mesh, args.label)
+            row = compile_row(model, exchange, mesh, args.label, args.expert_group)
             key = (row["label"], row["jax"], model, exchange)
             payload["rows"] = [
                 r

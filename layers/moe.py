@@ -64,7 +64,7 @@ def weights_for_compute(w: ExpertWeights, layout: Layout, dtype) -> ExpertWeight
     the expert axes; the hidden axes stay split. The router kernel keeps its dtype
     (the router computes in float32), and so do the small bias and shared gate.
     """
-    experts, embed = layout.gathered_experts, layout.embed
+    experts, embed, shared = layout.gathered_experts, layout.embed, layout.shared_embed
     repeated = layout.repeated_axes
 
     def cast(a):
@@ -74,15 +74,15 @@ def weights_for_compute(w: ExpertWeights, layout: Layout, dtype) -> ExpertWeight
         return None if a is None else gather(a, axes, dim, repeated)
 
     return ExpertWeights(
-        gate_ME=g(w.gate_ME, embed, 0),
+        gate_ME=g(w.gate_ME, shared, 0),
         wi_0_EMH=g(g(cast(w.wi_0_EMH), embed, 1), experts, 0),
         wi_1_EMH=g(g(cast(w.wi_1_EMH), embed, 1), experts, 0),
         wo_EHM=g(g(cast(w.wo_EHM), embed, 2), experts, 0),
         bias_E=w.bias_E,
-        shared_wi_0_MS=g(cast(w.shared_wi_0_MS), embed, 0),
-        shared_wi_1_MS=g(cast(w.shared_wi_1_MS), embed, 0),
-        shared_wo_SM=g(cast(w.shared_wo_SM), embed, 1),
-        shared_gate_M1=g(w.shared_gate_M1, embed, 0),
+        shared_wi_0_MS=g(cast(w.shared_wi_0_MS), shared, 0),
+        shared_wi_1_MS=g(cast(w.shared_wi_1_MS), shared, 0),
+        shared_wo_SM=g(cast(w.shared_wo_SM), shared, 1),
+        shared_gate_M1=g(w.shared_gate_M1, shared, 0),
     )
 
 

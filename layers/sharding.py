@@ -105,6 +105,9 @@ class Layout:
     embed: tuple[str, ...]  # embedding dim at rest (gathered in the block)
     hidden: tuple[str, ...]  # hidden dim at rest and in the matmuls (summed over after)
     group: tuple[str, ...]  # expert group exchanging rows by all-to-all; () when gathered
+    # The router's and shared experts' embedding dim at rest (embed, plus fsdp axes the
+    # group folds in: they split the experts by expert, these weights by embedding).
+    shared_embed: tuple[str, ...] = ()
 
     @classmethod
     def from_plan(cls, plan, mesh: Mesh) -> Layout:
@@ -123,6 +126,7 @@ class Layout:
             keep(placed.embed_axes),
             keep(placed.hidden_axes),
             keep(placed.group_axes),
+            keep(placed.shared_embed_axes),
         )
 
     @property
@@ -141,7 +145,8 @@ class Layout:
         """Axes the weights rest on whose devices hold the same tokens (at decode, the
         sequence axes: the one new token is not split)."""
         tokens = set(self.token_axes)
-        return tuple(a for a in (*self.experts, *self.embed) if a not in tokens)
+        rest = dict.fromkeys((*self.experts, *self.embed, *self.shared_embed))
+        return tuple(a for a in rest if a not in tokens)
 
     @property
     def gathered_experts(self) -> tuple[str, ...]:

@@ -6,7 +6,9 @@ and the MaxText port (`layers.maxtext_params`) all read this table.
 
 Shape letters: M embedding, E experts, H expert hidden, S shared experts' hidden
 (selector.problem.shared_width), 1 a dim of one. At-rest roles name the Layout axes a
-dim is split over: "embed", "experts", "hidden", or None (whole on every device).
+dim is split over: "embed", "experts", "hidden", "shared_embed" (the router's and
+shared experts' embedding dim: the embed axes and any fsdp axes folded into the expert
+group), or None (whole on every device).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class Weight:
 # for shared experts (embed, mlp) / (mlp, embed). The router's bias (E floats) is whole
 # on every device.
 WEIGHTS = (
-    Weight("gate_ME", "ME", ("embed", None), ("gate", "kernel"), "routed", ("gate", "kernel")),
+    Weight(
+        "gate_ME", "ME", ("shared_embed", None), ("gate", "kernel"), "routed", ("gate", "kernel")
+    ),
     Weight("wi_0_EMH", "EMH", ("experts", "embed", "hidden"), ("wi_0",), "routed", ("wi_0",)),
     Weight("wi_1_EMH", "EMH", ("experts", "embed", "hidden"), ("wi_1",), "routed", ("wi_1",)),
     Weight("wo_EHM", "EHM", ("experts", "hidden", "embed"), ("wo",), "routed", ("wo",)),
@@ -39,7 +43,7 @@ WEIGHTS = (
     Weight(
         "shared_wi_0_MS",
         "MS",
-        ("embed", "hidden"),
+        ("shared_embed", "hidden"),
         ("shared_experts", "wi_0", "kernel"),
         "shared",
         ("wi_0", "kernel"),
@@ -47,7 +51,7 @@ WEIGHTS = (
     Weight(
         "shared_wi_1_MS",
         "MS",
-        ("embed", "hidden"),
+        ("shared_embed", "hidden"),
         ("shared_experts", "wi_1", "kernel"),
         "shared",
         ("wi_1", "kernel"),
@@ -55,7 +59,7 @@ WEIGHTS = (
     Weight(
         "shared_wo_SM",
         "SM",
-        ("hidden", "embed"),
+        ("hidden", "shared_embed"),
         ("shared_experts", "wo", "kernel"),
         "shared",
         ("wo", "kernel"),
@@ -63,7 +67,7 @@ WEIGHTS = (
     Weight(
         "shared_gate_M1",
         "M1",
-        ("embed", None),
+        ("shared_embed", None),
         ("shared_expert_gate", "kernel"),
         "shared_gate",
         ("kernel",),

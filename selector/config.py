@@ -64,6 +64,9 @@ class ExpertGroup(str, enum.Enum):
     auto = "auto"
     expert = "expert"  # the expert axes alone
     expert_and_sequence = "expert_and_sequence"  # plus every sequence axis (cp folded)
+    # Plus the batch axes that also split the weights' embedding dim (fsdp): the weights
+    # rest split by expert over them instead, so no device gathers an expert's weights.
+    expert_sequence_and_fsdp = "expert_sequence_and_fsdp"
 
 
 class ScoreFunc(str, enum.Enum):

@@ -30,6 +30,10 @@ class WeightPlacement:
     group_axes: tuple[str, ...]  # the expert group that exchanges rows; () when gathered
     experts_per_device: int  # experts a device computes with
     folded_axes: tuple[str, ...]  # sequence axes folded into the expert group
+    # The embedding dim of the router and the shared experts at rest: the embed axes,
+    # and the fsdp axes folded into the group (which split every expert by expert, but
+    # these weights, held by every device, still by their embedding dim).
+    shared_embed_axes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return {
@@ -39,6 +43,7 @@ class WeightPlacement:
             "hidden_axes": list(self.hidden_axes),
             "group_axes": list(self.group_axes),
             "folded_axes": list(self.folded_axes),
+            "shared_embed_axes": list(self.shared_embed_axes),
             "experts_per_device": self.experts_per_device,
         }
 
@@ -46,14 +51,16 @@ class WeightPlacement:
 def gathered(mesh: MeshView, num_experts: int) -> WeightPlacement:
     """Weights rest sharded by the axis roles and are gathered into the block."""
     experts = _present(mesh, mesh.expert_axes)
+    embed = _present(mesh, tuple(a for a in mesh.embed_axes if a not in experts))
     return WeightPlacement(
         exchange=Exchange.gather,
         experts_axes=experts,
-        embed_axes=_present(mesh, tuple(a for a in mesh.embed_axes if a not in experts)),
+        embed_axes=embed,
         hidden_axes=_present(mesh, mesh.hidden_axes),
         group_axes=(),
         experts_per_device=num_experts,
         folded_axes=(),
+        shared_embed_axes=embed,
     )
 
 
@@ -64,6 +71,7 @@ class GroupAxes:
     axes: tuple[str, ...]  # the group: expert axes that split the tokens, then any folded
     folded: tuple[str, ...]  # sequence axes folded in
     left_out: str = ""  # why sequence axes of size > 1 stay out of the group ("" if none do)
+    fsdp: tuple[str, ...] = ()  # fsdp-like axes in the group (expert_sequence_and_fsdp)
 
 
 def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
@@ -71,12 +79,21 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
     the tokens, or the same rows would travel twice. The sequence axes join when
     expert_group asks for them, or (auto) when the larger group still splits
     num_experts evenly; never at decode, where the one new token per sequence is not
-    split by them. Policy, rules and report all read this, so they cannot disagree."""
+    split by them. expert_group=expert_sequence_and_fsdp puts the fsdp-like axes first
+    (batch axes that split the weights' embedding dim too): the experts rest split over
+    them instead, and no device gathers them. Policy, rules and report all read this, so
+    they cannot disagree."""
     token_axes = set(mesh.batch_axes) | set(mesh.sequence_axes)
     experts = tuple(a for a in _present(mesh, mesh.expert_axes) if a in token_axes)
+    fsdp = ()
+    if cfg.expert_group is ExpertGroup.expert_sequence_and_fsdp:
+        fsdp = tuple(
+            a for a in _present(mesh, mesh.batch_axes) if a in mesh.embed_axes and a not in experts
+        )
+        experts = fsdp + experts
     sequence = tuple(a for a in _present(mesh, mesh.sequence_axes) if a not in experts)
     if not sequence:
-        return GroupAxes(experts, ())
+        return GroupAxes(experts, (), fsdp=fsdp)
     named = " x ".join(f"{a}={mesh.size(a)}" for a in sequence)
     if cfg.mode is Mode.decode:
         return GroupAxes(
@@ -84,6 +101,7 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
             (),
             f"at mode=decode each sequence feeds one new token, which the sequence axes "
             f"({named}) do not split, so they cannot join the expert group",
+            fsdp,
         )
     if cfg.expert_group is ExpertGroup.expert:
         return GroupAxes(experts, (), f"expert_group=expert leaves the sequence axes ({named}) out")
@@ -96,7 +114,7 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
             f"group of {mesh.product(folded)} devices would not split num_experts="
             f"{cfg.num_experts}",
         )
-    return GroupAxes(folded, sequence)
+    return GroupAxes(folded, sequence, fsdp=fsdp)
 
 
 def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:
@@ -111,6 +129,9 @@ def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:
         group_axes=group.axes,
         experts_per_device=num_experts // size if size and num_experts % size == 0 else 0,
         folded_axes=group.folded,
+        shared_embed_axes=_present(
+            mesh, tuple(a for a in mesh.embed_axes if a not in group.axes or a in group.fsdp)
+        ),
     )
 
 

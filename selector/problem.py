@@ -58,7 +58,7 @@ class DeviceProblem:
     group: int  # expert-group size (1 when gathered)
     gathered: int  # devices the weights are gathered from (1: nothing gathered)
     rest_shards: int  # shards of the expert weights at rest
-    gate_shards: int  # shards of the router kernel at rest
+    gate_shards: int  # shards of the router kernel (and the shared experts) at rest
     replicas: int  # devices holding the same weight shard (their gradients are summed)
     xb: int  # bytes per element of the compute dtype
     pb: int  # bytes per element of the parameters
@@ -112,7 +112,7 @@ def problem_shape(
         group=group,
         gathered=gathered,
         rest_shards=rest,
-        gate_shards=mesh.product(place.embed_axes),
+        gate_shards=mesh.product(place.shared_embed_axes),
         replicas=max(1, mesh.num_devices // rest),
         xb=xb,
         pb=DTYPE_BYTES.get(cfg.param_dtype, 4),

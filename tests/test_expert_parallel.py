@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hlo import classify, collectives, value_shapes
 from layer_helpers import (
+    ROUTINGS,
     assert_close,
     build,
     host_weights,
@@ -34,7 +35,11 @@ MESHES = {
     "fsdp2_expert2_cp2": {"fsdp": 2, "expert": 2, "context": 2},
     "data2_expert4_cp1": {"data": 2, "expert": 4},
     "tensor2_cp4": {"context": 4, "tensor": 2},
+    "fsdp2_cp4_fsdp_folded": {"fsdp": 2, "context": 4},
 }
+# Group rules other than auto, per mesh: fsdp folded in as well, so the experts rest
+# split over (fsdp, context) and no device gathers an expert's weights over fsdp.
+RULES = {"fsdp2_cp4_fsdp_folded": ("expert_group=expert_sequence_and_fsdp",)}
 GROUPS = {
     "expert2_cp4": ("expert", "context"),
     "data2_cp4_folded": ("context",),
@@ -42,6 +47,7 @@ GROUPS = {
     "fsdp2_expert2_cp2": ("expert", "context"),
     "data2_expert4_cp1": ("expert",),
     "tensor2_cp4": ("context",),
+    "fsdp2_cp4_fsdp_folded": ("fsdp", "context"),
 }
 
 
@@ -57,7 +63,7 @@ def check_against_reference(model, x, cot, what: str):
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_matches_reference_and_the_gathered_statistics(jax_cpu8, mesh_name):
-    model = build("megablox", MESHES[mesh_name], BATCH, SEQ, *EP)
+    model = build("megablox", MESHES[mesh_name], BATCH, SEQ, *EP, *RULES.get(mesh_name, ()))
     assert model.plan.placement.group_axes == GROUPS[mesh_name]
     group = math.prod(MESHES[mesh_name].get(a, 1) for a in GROUPS[mesh_name])
     assert model.wi_0[...].sharding.shard_shape(model.wi_0[...].shape)[0] == 8 // group
@@ -69,6 +75,31 @@ def test_matches_reference_and_the_gathered_statistics(jax_cpu8, mesh_name):
         np.testing.assert_array_equal(stats[key], gathered_stats[key], err_msg=key)
     # Balanced routing takes two rounds: the default B is half of 1.125 x the even share.
     assert float(stats["exchange_rounds"]) == 2
+
+
+def test_fsdp_in_the_group_keeps_the_router_and_shared_experts_split(jax_cpu8):
+    """With fsdp folded into the expert group, each routed expert rests whole on one
+    device, while the router kernel and the gated shared expert (held by every device)
+    still rest split over fsdp by their embedding dim; output and every gradient match
+    the reference."""
+    mesh = MESHES["fsdp2_cp4_fsdp_folded"]
+    model = build(
+        "megablox", mesh, BATCH, SEQ, *EP, *RULES["fsdp2_cp4_fsdp_folded"], *ROUTINGS["qwen3_next"]
+    )
+    w = model.weights()
+    for name in ("gate_ME", "shared_wi_0_MS", "shared_wi_1_MS", "shared_gate_M1"):
+        a = getattr(w, name)
+        assert a.sharding.shard_shape(a.shape)[0] == a.shape[0] // mesh["fsdp"], name
+    assert w.shared_wo_SM.sharding.shard_shape(w.shared_wo_SM.shape)[1] == 64 // mesh["fsdp"]
+    assert w.wi_0_EMH.sharding.shard_shape(w.wi_0_EMH.shape)[0] == 16 // 8
+    x, cot = inputs(BATCH, SEQ)
+    y, _, gw, gx = loss_and_grads(model, x, cot)
+    ry, rgw, rgx = reference_grads(model, x, cot, 1)
+    assert_close(y, ry, what="output")
+    assert_close(gx, rgx, what="d/dx")
+    for name in ("gate_ME", "wi_0_EMH", "wo_EHM", "shared_wi_0_MS", "shared_wo_SM"):
+        assert_close(getattr(gw, name), getattr(rgw, name), what=f"d/d{name}")
+    assert_close(gw.shared_gate_M1, rgw.shared_gate_M1, what="d/dshared_gate_M1")
 
 
 def skew(model, x, kind: str):
@@ -115,11 +146,11 @@ def expected_rounds(model, x, data: int, cp: int, group: int) -> int:
 
 
 def compiled_ep(mesh_name, batch=2, seq=2048):
-    model = build("megablox", MESHES[mesh_name], batch, seq, *EP)
+    model = build("megablox", MESHES[mesh_name], batch, seq, *EP, *RULES.get(mesh_name, ()))
     return model, compile_fwd_bwd(model, batch, seq)
 
 
-@pytest.mark.parametrize("mesh_name", ["data2_cp4_folded", "expert2_cp4"])
+@pytest.mark.parametrize("mesh_name", ["data2_cp4_folded", "expert2_cp4", "fsdp2_cp4_fsdp_folded"])
 def test_only_routed_rows_cross_devices_and_weights_stay_home(jax_cpu8, mesh_name):
     batch, seq, emb = 2, 2048, 64
     model, program = compiled_ep(mesh_name, batch, seq)

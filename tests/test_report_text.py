@@ -34,6 +34,7 @@ PLACEMENTS = {
             "hidden_axes": [],
             "group_axes": [],
             "folded_axes": [],
+            "shared_embed_axes": ["fsdp", "context"],
             "experts_per_device": 8,
         },
     ),
@@ -49,6 +50,7 @@ PLACEMENTS = {
             "hidden_axes": [],
             "group_axes": ["context"],
             "folded_axes": ["context"],
+            "shared_embed_axes": ["fsdp"],
             "experts_per_device": 2,
         },
     ),
@@ -72,7 +74,24 @@ PLACEMENTS = {
             "hidden_axes": ["tensor"],
             "group_axes": [],
             "folded_axes": [],
+            "shared_embed_axes": ["context"],
             "experts_per_device": 8,
+        },
+    ),
+    "exchanged, fsdp in the group": (
+        (*FSDP2_CP4, "expert_exchange=all_to_all", "expert_group=expert_sequence_and_fsdp"),
+        "rest sharded (experts over fsdp=2xcontext=4); expert parallel over "
+        "fsdp=2xcontext=4: each device computes with its 1 experts and routed rows "
+        "travel to them by all-to-all and back",
+        {
+            "exchange": "all_to_all",
+            "experts_axes": ["fsdp", "context"],
+            "embed_axes": [],
+            "hidden_axes": [],
+            "group_axes": ["fsdp", "context"],
+            "folded_axes": ["context"],
+            "shared_embed_axes": ["fsdp"],
+            "experts_per_device": 1,
         },
     ),
     "replicated": (
@@ -85,6 +104,7 @@ PLACEMENTS = {
             "hidden_axes": [],
             "group_axes": [],
             "folded_axes": [],
+            "shared_embed_axes": [],
             "experts_per_device": 8,
         },
     ),

@@ -55,7 +55,7 @@ def test_decode_group_is_empty_not_indivisible_and_its_fixes_exchange():
 GRID = list(
     itertools.product(
         ("train", "decode"),
-        ("auto", "expert", "expert_and_sequence"),
+        ("auto", "expert", "expert_and_sequence", "expert_sequence_and_fsdp"),
         ((1, 2), (2, 2), (2, 1), (1, 1), (1, 4)),  # (expert, context_autoregressive)
         (8, 6),  # num_experts
     )
@@ -96,6 +96,30 @@ def test_the_check_and_the_placement_read_one_group(mode, group_rule, sizes, exp
         assert exchange_errors == {"EXPERTS_NOT_DIVISIBLE_BY_GROUP"}
         (f,) = [f for f in found if f.code == "EXPERTS_NOT_DIVISIBLE_BY_GROUP"]
         assert f"= {size} devices" in f.message
+
+
+@pytest.mark.parametrize("mode", ["train", "decode"])
+def test_fsdp_joins_the_group_only_when_asked_and_the_experts_rest_split_over_it(mode):
+    """expert_group=expert_sequence_and_fsdp puts fsdp (it splits the tokens and the
+    weights' embedding dim) first in the group: the experts rest split over it instead
+    of the embedding dim, E / (fsdp x context) a device in training; at decode the
+    context axes stay out (the one new token is not split by them), fsdp stays in."""
+    mesh = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4", "num_devices=8")
+    more = ("per_device_batch_size=1", "max_target_length=64", "dispatch=megablox")
+    more += ("allow_local_batch_inflation=true", "expert_exchange=all_to_all")
+    if mode == "decode":
+        mesh = ("ici_fsdp_parallelism=2", "ici_context_autoregressive_parallelism=4")
+        mesh += ("num_devices=8",)
+    asked = _config(*mesh, *more, f"mode={mode}", "expert_group=expert_sequence_and_fsdp")
+    plan, found = analyse(asked)
+    placed = plan.placement
+    sequence = () if mode == "decode" else ("context",)
+    assert placed.group_axes == ("fsdp", *sequence), [f.message for f in found]
+    assert placed.experts_axes == placed.group_axes
+    assert "fsdp" not in placed.embed_axes
+    assert placed.experts_per_device == asked.num_experts // (2 * (1 if mode == "decode" else 4))
+    auto = _config(*mesh, *more, f"mode={mode}")
+    assert "fsdp" not in exchange_group(auto, analyse(auto)[0].mesh).axes
 
 
 # Triggers beyond CASES: the reported ones, and one per code CASES triggers only in part.

@@ -149,6 +149,10 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
         fix(param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
+        fix(
+            expert_exchange=Exchange.all_to_all,
+            expert_group=ExpertGroup.expert_sequence_and_fsdp,
+        ),
         *_more_slices(cfg, mesh),
         *_lighter_step(cfg, parts),
         *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
@@ -330,15 +334,17 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
 
 
 def _group_unfolded(cfg: Config, group) -> list[Finding]:
-    """expert_group=expert_and_sequence asked for, but the sequence axes stay out."""
-    if cfg.expert_group is not ExpertGroup.expert_and_sequence or not group.left_out:
+    """expert_group=expert_and_sequence (or expert_sequence_and_fsdp) asked for, but the
+    sequence axes stay out."""
+    asked = (ExpertGroup.expert_and_sequence, ExpertGroup.expert_sequence_and_fsdp)
+    if cfg.expert_group not in asked or not group.left_out:
         return []
     return [
         warning(
             "EXPERT_GROUP_UNFOLDED",
             "expert_group",
-            f"expert_group=expert_and_sequence asks for the sequence axes in the expert "
-            f"group, but {group.left_out}; the rows are exchanged over the expert axes alone.",
+            f"expert_group={cfg.expert_group.value} asks for the sequence axes in the expert "
+            f"group, but {group.left_out}; the rows are exchanged without them.",
             [fix(expert_group=ExpertGroup.auto)],
         )
     ]
