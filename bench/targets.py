@@ -26,6 +26,7 @@ expert matmuls.
 
     python -m bench.targets              # writes bench/results/targets.json and .png
     python -m bench.targets --real       # adds the real models (minutes each)
+    python -m bench.targets --maxtext    # only MaxText's comparison shape, cp 1, 2, 4
     python -m bench.targets --replot
 """
 
@@ -76,6 +77,7 @@ MAXTEXT_COLUMNS = [
     ("chips", "chips"),
     ("gathered_mib", "ours gathered temp MiB"),
     ("exchanged_mib", "ours exchanged temp MiB"),
+    ("fsdp_group_mib", "ours exchanged, fsdp in the group (expert_sequence_and_fsdp)"),
     ("maxtext_mib", "MaxText 0.2.5 temp MiB"),
 ]
 
@@ -107,14 +109,16 @@ def overrides(platform, dims, mesh, dispatch, exchange, backend) -> list[str]:
     ]
 
 
-def compile_block(platform, dims, mesh, dispatch, exchange, backend):
+def compile_block(platform, dims, mesh, dispatch, exchange, backend, group="auto"):
     import selector
     from checks.compiled import compile_plan
     from selector import targets
 
     target = targets.Target(HARDWARE[platform], math.prod(mesh.values()))
     cfg = selector.to_config(
-        selector.compose(overrides(platform, dims, mesh, dispatch, exchange, backend))
+        selector.compose(
+            [*overrides(platform, dims, mesh, dispatch, exchange, backend), f"expert_group={group}"]
+        )
     )
     block, program, _, seconds = compile_plan(cfg, selector.resolve(cfg, mesh), target)
     return block, program, seconds
@@ -203,12 +207,16 @@ def maxtext_rows() -> list[dict]:
     for cp, temp in MAXTEXT_TEMP_MIB.items():
         mesh = {"fsdp": 2, "context": cp}
         row = {"cp": cp, "chips": 2 * cp, "maxtext_mib": temp}
-        for exchange in ("gather", "all_to_all"):
-            if exchange == "all_to_all" and cp == 1:
-                row["exchanged_mib"] = ""  # no expert group at cp = 1
+        for key, exchange, group in (
+            ("gathered_mib", "gather", "auto"),
+            ("exchanged_mib", "all_to_all", "auto"),
+            ("fsdp_group_mib", "all_to_all", "expert_sequence_and_fsdp"),
+        ):
+            if key == "exchanged_mib" and cp == 1:
+                row[key] = ""  # no expert group at cp = 1 unless fsdp joins it
                 continue
-            _, program, _ = compile_block("tpu", MAXTEXT, mesh, "megablox", exchange, "auto")
-            key = "gathered_mib" if exchange == "gather" else "exchanged_mib"
+            mode = ("tpu", MAXTEXT, mesh, "megablox", exchange, "auto", group)
+            _, program, _ = compile_block(*mode)
             row[key] = program.memory_analysis().temp_size_in_bytes / 2**20
         rows.append(row)
         print(table(rows[-1:], MAXTEXT_COLUMNS).splitlines()[-1], flush=True)
@@ -307,6 +315,10 @@ def plot(payload: dict):
     axes[1].plot(cps, [r["gathered_mib"] for r in mt], "-o", label="ours, gathered")
     ex = [(r["cp"], r["exchanged_mib"]) for r in mt if r["exchanged_mib"] != ""]
     axes[1].plot([c for c, _ in ex], [v for _, v in ex], "-s", label="ours, exchanged")
+    folded = [(r["cp"], r["fsdp_group_mib"]) for r in mt if r.get("fsdp_group_mib")]
+    if folded:
+        xs, ys = [c for c, _ in folded], [v for _, v in folded]
+        axes[1].plot(xs, ys, "-^", label="ours, exchanged, fsdp in the group")
     axes[1].set_xscale("log", base=2)
     axes[1].set_xticks(cps)
     axes[1].set_xticklabels([str(c) for c in cps])
@@ -332,8 +344,20 @@ def main() -> None:
             "default": "targets",
             "help": "the study's name (targets_jax012 for the second stack's run)",
         },
+        maxtext={
+            "action": "store_true",
+            "help": "only compile MaxText's comparison shape (cp 1, 2, 4) into the JSON",
+        },
     )
     if args is None:
+        return
+    if args.maxtext:
+        from bench.common import load
+
+        payload = load(args.into)
+        payload["maxtext"] = maxtext_rows()
+        print(table(payload["maxtext"], MAXTEXT_COLUMNS))
+        print("wrote", *save(args.into, payload, plot(payload)))
         return
     if args.real:
         from bench.common import load
