@@ -22,6 +22,7 @@ alias an argument are allocated there but are not temp).
     python -m bench.libtpu_temp
     python -m bench.libtpu_temp --points gather,scan:2:adamw
     python -m bench.libtpu_temp --replot
+    python -m bench.libtpu_temp --into libtpu_temp_jax012   # another stack's rows apart
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS, arguments, paired_bars, pyplot, save, table, worker_row
+from bench.common import RESULTS, arguments, paired_bars, pyplot, save, stack, table, worker_row
 from bench.dump_peak import allocations
 
 STUDY = "libtpu_temp"
@@ -205,7 +206,10 @@ def plot(payload: dict):
         ([r["unnamed_mib"] for r in rows], "temp no buffer names"),
         "MiB a device",
     )
-    ax.set_title("XLA:TPU temp beyond the buffer assignment (64 v5p, compiled ahead of time)")
+    ax.set_title(
+        "XLA:TPU temp beyond the buffer assignment (64 v5p, compiled ahead of time)\n"
+        + payload.get("stack", f"jax {payload['jax']}")
+    )
     ax.legend()
     return fig
 
@@ -218,6 +222,7 @@ def main() -> None:
         points={"default": DEFAULT_POINTS},
         worker={"default": None, "help": "(internal) compile one point in this process"},
         dump={"default": None, "help": "(internal) the worker's dump folder"},
+        into={"default": None, "help": f"the study's name to write (default: {STUDY})"},
     )
     if args is None:
         return
@@ -225,7 +230,8 @@ def main() -> None:
         print(json.dumps(worker(args.worker, Path(args.dump))))
         return
     # The stored rows are kept; each point compiled replaces its own row.
-    stored = RESULTS / f"{STUDY}.json"
+    name = args.into or STUDY
+    stored = RESULTS / f"{name}.json"
     rows = json.loads(stored.read_text())["rows"] if stored.exists() else []
     order = DEFAULT_POINTS.split(",")
     for point in args.points.split(","):
@@ -236,9 +242,9 @@ def main() -> None:
     rows.sort(key=lambda r: order.index(r["point"]) if r["point"] in order else len(order))
     import jax
 
-    payload = {"jax": jax.__version__, "rows": rows}
+    payload = {"jax": jax.__version__, "stack": stack(), "rows": rows}
     print(table(rows, COLUMNS))
-    print("wrote", *save(STUDY, payload, plot(payload)))
+    print("wrote", *save(name, payload, plot(payload)))
 
 
 if __name__ == "__main__":
