@@ -6,6 +6,7 @@ cores.
     python -m checks.mutate layers --sample 20     # 20 mutants a module, drawn with --seed
     python -m checks.mutate selector --sample 40 --seed 0
     python -m checks.mutate torus                  # the MaxText route's torus check
+    python -m checks.mutate placement --function exchange_group   # one function's mutants
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -57,6 +58,16 @@ PARTS = {
             "tests/test_expert_parallel.py",
             "tests/test_layers_parity.py",
             "tests/test_targets.py",
+        ),
+    },
+    # Where the expert weights rest and which axes form the expert group, against the
+    # selector's tests that read the placement (the exchange's parity is the layers').
+    "placement": {
+        "modules": ("selector/placement.py",),
+        "tests": (
+            "tests/test_selector_decisions.py",
+            "tests/test_report_text.py",
+            "tests/test_selector_findings.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.
@@ -123,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, metavar="N", help="N mutants a module, drawn")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-children", type=int, default=2)
+    ap.add_argument(
+        "--function", metavar="NAME", help="only the mutants of this function (every one)"
+    )
     args = ap.parse_args(argv)
     spec = PARTS[args.part]
     work = workdir(args.part)
@@ -131,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     total: dict[str, int] = {}
     for module in spec["modules"]:
         every = mutant_names(module)
+        if args.function:  # mutmut names a function's mutants x_NAME__mutmut_K
+            every = [n for n in every if f"x_{args.function}__mutmut_" in n]
         total[module] = len(every)
         chosen[module] = rng.sample(every, min(args.sample, len(every))) if args.sample else every
     names = [n for module in spec["modules"] for n in chosen[module]]
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
     # Named mutants are run even when a result is stored (a sample is re-judged whole).
-    code = subprocess.run(run + (names if args.sample else []), cwd=work).returncode
+    named = args.sample or args.function
+    code = subprocess.run(run + (names if named else []), cwd=work).returncode
     if code != 0:
         return code
     status = results(work)
@@ -151,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.sample
             else f"{total[module]} mutants"
         )
+        if args.function:
+            of += f" of {args.function}"
         print(f"  {module}: {len(mine) - len(survived)} of {len(mine)} killed ({of})")
     for name in survivors:
         print(f"\n{name}: {status.get(name)}")
