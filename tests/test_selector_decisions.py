@@ -98,27 +98,53 @@ def test_the_check_and_the_placement_read_one_group(mode, group_rule, sizes, exp
         assert f"= {size} devices" in f.message
 
 
-@pytest.mark.parametrize("mode", ["train", "decode"])
-def test_fsdp_joins_the_group_only_when_asked_and_the_experts_rest_split_over_it(mode):
+# (mesh and mode, the group, the sequence axes folded, the router's and shared experts'
+# embed axes) with expert_group=expert_sequence_and_fsdp.
+FSDP_GROUPS = {
+    "train": (
+        ("ici_fsdp_parallelism=2", "ici_context_parallelism=4", "mode=train"),
+        ("fsdp", "context"),
+        ("context",),
+        ("fsdp",),
+    ),
+    # At decode the context axes stay out (the one new token is not split by them).
+    "decode": (
+        ("ici_fsdp_parallelism=2", "ici_context_autoregressive_parallelism=4", "mode=decode"),
+        ("fsdp",),
+        (),
+        ("fsdp", "context_autoregressive"),
+    ),
+    "no sequence axis": (("ici_fsdp_parallelism=8", "mode=train"), ("fsdp",), (), ("fsdp",)),
+    # data splits the tokens but not the weights: it stays out.
+    "data stays out": (
+        ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_context_parallelism=2"),
+        ("fsdp", "context"),
+        ("context",),
+        ("fsdp",),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_GROUPS))
+def test_fsdp_joins_the_group_only_when_asked_and_the_experts_rest_split_over_it(case):
     """expert_group=expert_sequence_and_fsdp puts fsdp (it splits the tokens and the
     weights' embedding dim) first in the group: the experts rest split over it instead
-    of the embedding dim, E / (fsdp x context) a device in training; at decode the
-    context axes stay out (the one new token is not split by them), fsdp stays in."""
-    mesh = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4", "num_devices=8")
+    of the embedding dim, E / group a device, while the router and the shared experts
+    keep it on their embedding dim; auto leaves fsdp out."""
+    mesh, group, folded, shared = FSDP_GROUPS[case]
     more = ("per_device_batch_size=1", "max_target_length=64", "dispatch=megablox")
-    more += ("allow_local_batch_inflation=true", "expert_exchange=all_to_all")
-    if mode == "decode":
-        mesh = ("ici_fsdp_parallelism=2", "ici_context_autoregressive_parallelism=4")
-        mesh += ("num_devices=8",)
-    asked = _config(*mesh, *more, f"mode={mode}", "expert_group=expert_sequence_and_fsdp")
+    more += ("allow_local_batch_inflation=true", "expert_exchange=all_to_all", "num_devices=8")
+    asked = _config(*mesh, *more, "expert_group=expert_sequence_and_fsdp")
     plan, found = analyse(asked)
     placed = plan.placement
-    sequence = () if mode == "decode" else ("context",)
-    assert placed.group_axes == ("fsdp", *sequence), [f.message for f in found]
+    assert placed.group_axes == group, [f.message for f in found]
+    assert placed.folded_axes == folded
+    assert placed.shared_embed_axes == shared
     assert placed.experts_axes == placed.group_axes
     assert "fsdp" not in placed.embed_axes
-    assert placed.experts_per_device == asked.num_experts // (2 * (1 if mode == "decode" else 4))
-    auto = _config(*mesh, *more, f"mode={mode}")
+    size = plan.mesh.product(group)
+    assert placed.experts_per_device == asked.num_experts // size
+    auto = _config(*mesh, *more)
     assert "fsdp" not in exchange_group(auto, analyse(auto)[0].mesh).axes
 
 
