@@ -152,11 +152,14 @@ def main() -> None:
     for model in MODELS if args.only is None else (args.only,):
         for exchange in EXCHANGES if args.exchange is None else (args.exchange,):
             row = compile_row(model, exchange, mesh, args.label, args.expert_group)
-            key = (row["label"], row["jax"], model, exchange)
+            # A row replaces only its own: same label, stack, layer, exchange and group
+            # (rows stored before the group was recorded are the auto group's).
+            key = (row["label"], row["jax"], model, exchange, args.expert_group)
             payload["rows"] = [
                 r
                 for r in payload["rows"]
-                if (r["label"], r["jax"], r["model"], r["exchange"]) != key
+                if (r["label"], r["jax"], r["model"], r["exchange"], r.get("expert_group", "auto"))
+                != key
             ] + [row]
             print(table([row], COLUMNS).splitlines()[-1], flush=True)
             print("wrote", *_save(payload), flush=True)

@@ -215,8 +215,7 @@ def maxtext_rows() -> list[dict]:
             if key == "exchanged_mib" and cp == 1:
                 row[key] = ""  # no expert group at cp = 1 unless fsdp joins it
                 continue
-            mode = ("tpu", MAXTEXT, mesh, "megablox", exchange, "auto", group)
-            _, program, _ = compile_block(*mode)
+            _, program, _ = compile_block("tpu", MAXTEXT, mesh, "megablox", exchange, "auto", group)
             row[key] = program.memory_analysis().temp_size_in_bytes / 2**20
         rows.append(row)
         print(table(rows[-1:], MAXTEXT_COLUMNS).splitlines()[-1], flush=True)

@@ -101,7 +101,7 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
             (),
             f"at mode=decode each sequence feeds one new token, which the sequence axes "
             f"({named}) do not split, so they cannot join the expert group",
-            fsdp,
+            fsdp=fsdp,
         )
     if cfg.expert_group is ExpertGroup.expert:
         return GroupAxes(experts, (), f"expert_group=expert leaves the sequence axes ({named}) out")
