@@ -99,12 +99,13 @@ def weight_copy_bytes(platform: str, compute_bytes: int) -> int:
     return 4 if platform == "cpu" else compute_bytes
 
 
-def has_weight_copy(p: DeviceProblem, platform: str) -> bool:
-    """Whether the matmuls read a copy of the weights rather than the arguments: gathered,
-    or converted where the compiler keeps the conversion apart (XLA:CPU's float32 copy;
+def has_weight_copy(p: DeviceProblem, platform: str, gathered: int | None = None) -> bool:
+    """Whether the matmuls read a copy of the weights rather than the arguments: gathered
+    (from `gathered` devices; the routed experts' `p.gathered` unless given), or
+    converted where the compiler keeps the conversion apart (XLA:CPU's float32 copy;
     XLA:TPU fuses a cast of weights it does not gather into the dots, measured on the
     small decode programs: 0.4 MiB of temp where the copy would be 6.9)."""
-    if p.gathered > 1:
+    if (p.gathered if gathered is None else gathered) > 1:
         return True
     if weight_copy_bytes(platform, p.xb) != p.xb:
         return True
@@ -127,16 +128,22 @@ def held_buffers(
     """What the block's program holds at its peak on `platform`'s compiler of jax
     `release` (see the module's docstring)."""
     routed = routed_weight_elements(strategy, p)
+    # The shared experts rest split by their embedding dim over their own axes
+    # (`gate_shards`), which differ from the routed experts' where the expert axes
+    # gather only the routed ones, or fsdp joins the expert group and gathers only them.
     shared = 3 * p.M * p.Hs
-    copy = weight_copy_bytes(platform, p.xb) if has_weight_copy(p, platform) else 0
-    weights = (routed + shared) * copy
+    shared_gathered = p.gate_shards > 1
+    compute = weight_copy_bytes(platform, p.xb)
+    copy = compute if has_weight_copy(p, platform) else 0
+    shared_copy = compute if has_weight_copy(p, platform, p.gate_shards) else 0
+    weights = routed * copy + shared * shared_copy
     exchanged = strategy is Dispatch.megablox and exchange is Exchange.all_to_all
     gradients = 0.0
     if p.train and exchanged:
         gradients = routed * ACCUMULATOR_BYTES + routed * p.xb / 3
-        gradients += shared * p.xb * 2 / 3 if p.gathered > 1 else 0.0
-    elif p.train and p.gathered > 1:
-        gradients = (routed + shared) * p.xb
+        gradients += shared * p.xb * 2 / 3 if shared_gathered else 0.0
+    elif p.train and (p.gathered > 1 or shared_gathered):
+        gradients = routed * p.xb * (p.gathered > 1) + shared * p.xb * shared_gathered
         if platform == "gpu" and release >= (0, 12):
             # jax 0.12's XLA:GPU reduce-scatters each matrix's gradient before the next
             # is formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four

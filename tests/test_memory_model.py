@@ -215,3 +215,34 @@ def test_dense_and_capacity_activations_counted_by_hand():
     assert (q.G, q.C) == (1, 128)  # one 512-token subgroup, capacity 512 x 2 / 8
     capacity = activation_bytes(Dispatch.subgroup_capacity, Exchange.gather, q)
     assert capacity == 1 * 8 * 128 * (2 * 64 + 2 * 128) * 4 + router
+
+
+def test_shared_experts_follow_their_own_split_not_the_routed_experts():
+    """The shared experts' copy and gradients are held where they are gathered (over
+    `gate_shards`), whatever the routed experts do. fsdp in the expert group: no routed
+    weight is gathered, the shared ones still are (fsdp=2), so their copy and two of
+    their three gradients are held. Experts gathered over the expert axis alone: the
+    routed ones are, the shared ones rest whole and are read in place."""
+    shared = 3 * 64 * 128 * 4
+    h, p = _tiny_held(
+        "ici_fsdp_parallelism=2",
+        "ici_context_parallelism=4",
+        "expert_exchange=all_to_all",
+        "expert_group=expert_sequence_and_fsdp",
+        "shared_experts=1",
+        "allow_local_batch_inflation=true",
+    )
+    assert (p.gathered, p.gate_shards, p.E_c) == (1, 2, 1)
+    routed = 3 * 64 * 128
+    assert h.weights == shared
+    assert h.gradients == routed * 4 + routed * 4 / 3 + shared * 2 / 3
+    for experts in (0, 1):
+        h, p = _tiny_held(
+            "ici_expert_parallelism=8",
+            "expert_exchange=gather",
+            f"shared_experts={experts}",
+            "allow_local_batch_inflation=true",
+        )
+        assert (p.gathered, p.gate_shards) == (8, 1)
+        routed = 8 * 3 * 64 * 128 * 4
+        assert (h.weights, h.gradients) == (routed, routed)
