@@ -11,7 +11,10 @@ Attention is grouped-query (MaxText's `global`, with per-head query/key norms wh
 use_qk_norm) or multi-head latent (`mla`): each device projects its own tokens,
 all-gathers keys and values over the sequence axes and runs a flash-style blockwise
 kernel (`checks.flash`). Rotary embeddings are left out (elementwise; they hold no
-memory beyond the projections). Qwen3-Next's mixed layers are not built.
+memory beyond the projections). Qwen3-Next (`decoder_block: qwen3_next`) scans cycles
+of inhomogeneous_layer_cycle_interval layers: Gated DeltaNet layers (`checks.gdn`, its
+sequence kept sharded) and then one gated full-attention layer, each with the MoE block,
+as MaxText 0.2.5 scans its blocks of four.
 
 Weights rest as MaxText's rules put them and as `selector.step_memory` counts them: the
 embedding dim of every non-expert weight over the plan's embed and expert axes, heads,
@@ -43,6 +46,7 @@ from layers.sharding import Layout, gather, spec_entry
 from selector.architecture import is_moe_layer
 from selector.step_memory import REMAT_SAVES
 
+from . import gdn
 from .flash import flash_attention
 
 LOAD_BALANCE_WEIGHT = 0.01
@@ -65,6 +69,12 @@ class DecoderLayout:
         embed = tuple(a for a in keep if mesh.shape.get(a, 1) > 1)
         hidden = tuple(a for a in view.hidden_axes if mesh.shape.get(a, 1) > 1)
         return cls(mesh, embed, hidden, Layout.from_plan(plan, mesh))
+
+    @property
+    def hidden_embed(self) -> tuple[str, ...]:
+        """A dim split over the tensor axes and, within a tensor shard, the embed axes
+        (gathered over the latter for compute)."""
+        return self.hidden + self.embed
 
     @property
     def tokens(self) -> P:
@@ -107,15 +117,51 @@ def attention_table(cfg: selector.Config) -> dict[str, tuple[tuple[int, ...], tu
         "wv": ((emb, kv * hd), ("embed", "hidden")),
         "wo": ((heads * hd, emb), ("hidden", "embed")),
     }
-    if cfg.use_qk_norm:
+    gated = cfg.decoder_block == "qwen3_next"
+    if gated:  # Qwen3-Next's full attention: a sigmoid gate on each head's output
+        t["wg"] = ((emb, heads * hd), ("embed", "hidden"))
+    if cfg.use_qk_norm or gated:
         t["q_norm"] = ((hd,), ("embed",))
         t["k_norm"] = ((hd,), ("embed",))
     return t
 
 
-def layer_table(cfg: selector.Config, moe: bool) -> dict[str, tuple[tuple[int, ...], tuple]]:
+def gdn_table(cfg: selector.Config) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """One Gated DeltaNet layer's weights (the tensors `gated_delta_net_params` counts;
+    the fused projections and the convolution kept one per input, so that a split of
+    the heads over the tensor axes splits each alike)."""
+    emb, hv = cfg.base_emb_dim, cfg.gdn_num_value_heads
+    keys = cfg.gdn_num_key_heads * cfg.gdn_key_head_dim
+    values = hv * cfg.gdn_value_head_dim
+    conv = cfg.gdn_conv_kernel_dim
+    return {
+        "wq": ((emb, keys), ("embed", "hidden")),
+        "wk": ((emb, keys), ("embed", "hidden")),
+        "wv": ((emb, values), ("embed", "hidden")),
+        "wz": ((emb, values), ("embed", "hidden")),  # the output gate
+        "wb": ((emb, hv), ("embed", "hidden")),  # beta, a value head
+        "wa": ((emb, hv), ("embed", "hidden")),  # the decay's input, a value head
+        "conv_q": ((conv, keys), (None, "hidden_embed")),
+        "conv_k": ((conv, keys), (None, "hidden_embed")),
+        "conv_v": ((conv, values), (None, "hidden_embed")),
+        # A value head's two scalars (32 in Qwen3-Next: fewer than the devices that
+        # split the others) rest whole beside the tensor split.
+        "a_log": ((hv,), ("hidden",)),
+        "dt_bias": ((hv,), ("hidden",)),
+        "norm": ((cfg.gdn_value_head_dim,), ("embed",)),
+        "wo": ((values, emb), ("hidden", "embed")),
+    }
+
+
+def layer_table(
+    cfg: selector.Config, moe: bool, mixer: str = "attention"
+) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """One layer's weights outside the MoE block; `mixer` attention or linear (GDN)."""
     emb = cfg.base_emb_dim
-    t = {f"attn/{n}": v for n, v in attention_table(cfg).items()}
+    if mixer == "linear":
+        t = {f"lin/{n}": v for n, v in gdn_table(cfg).items()}
+    else:
+        t = {f"attn/{n}": v for n, v in attention_table(cfg).items()}
     t["attn_norm"] = ((emb,), ("embed",))
     t["ffn_norm"] = ((emb,), ("embed",))
     if not moe:
@@ -145,13 +191,27 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg, *, mesh: Mesh, plan: selector.DispatchPlan, rngs: nnx.Rngs):
         config = selector.to_config(cfg)
+        num_layers = config.base_num_decoder_layers
+        moe_layers = [i for i in range(num_layers) if is_moe_layer(config, i)]
+        dense = num_layers - len(moe_layers)
+        # (kind, leading dims of its stacked weights, mixer); a Qwen3-Next cycle scans
+        # its linear layers' stack [cycles, interval - 1] and its full layers' [cycles].
+        self.cycle = 0
         if config.decoder_block == "qwen3_next":
-            raise ValueError("Qwen3-Next's mixed Gated DeltaNet layers are not built here")
-        layers_ = range(config.base_num_decoder_layers)
-        moe_layers = [i for i in layers_ if is_moe_layer(config, i)]
-        dense = config.base_num_decoder_layers - len(moe_layers)
-        if moe_layers and moe_layers != list(range(dense, config.base_num_decoder_layers)):
-            raise ValueError("only dense layers first, then MoE layers, are scanned here")
+            interval = config.inhomogeneous_layer_cycle_interval
+            if interval < 2 or num_layers % interval or dense:
+                raise ValueError(
+                    "Qwen3-Next's decoder is scanned in cycles of "
+                    "inhomogeneous_layer_cycle_interval >= 2 MoE layers; "
+                    f"base_num_decoder_layers={num_layers} with interval {interval} "
+                    f"and {dense} dense layers is not"
+                )
+            self.cycle, cycles = interval, num_layers // interval
+            kinds = (("linear", (cycles, interval - 1), "linear"), ("full", (cycles,), "attention"))
+        else:
+            if moe_layers and moe_layers != list(range(dense, num_layers)):
+                raise ValueError("only dense layers first, then MoE layers, are scanned here")
+            kinds = (("dense", (dense,), "attention"), ("moe", (len(moe_layers),), "attention"))
         self.config, self.plan = config, plan
         self.layout = lay = DecoderLayout.from_plan(plan, mesh)
         self.dtype = jnp.dtype(config.dtype)
@@ -165,17 +225,21 @@ class Decoder(nnx.Module):
         if not config.logits_via_embedding:
             table["head"] = ((emb, vocab), lay.spec(("embed", "hidden")))
         self.roles: dict[str, tuple] = {}  # a layer's weight -> the role of each dim
-        for kind, count in (("dense", dense), ("moe", len(moe_layers))):
-            if count:
-                for name, (shape, roles) in layer_table(config, kind == "moe").items():
-                    table[f"{kind}/{name}"] = ((count, *shape), lay.spec(roles, stacked=True))
-                    self.roles[name] = roles
-        if moe_layers:
+        for kind, lead, mixer in kinds:
+            if not lead[-1]:
+                continue
+            stacked = (None,) * len(lead)
+            moe = kind != "dense"
+            for name, (shape, roles) in layer_table(config, moe, mixer).items():
+                table[f"{kind}/{name}"] = ((*lead, *shape), P(*stacked, *lay.spec(roles)))
+                self.roles[name] = roles
+            if not moe:
+                continue
             names, shapes, shardings = block.param_layout()
             for n, shape, s in zip(names, shapes, shardings, strict=True):
-                table[f"moe/block/{n}"] = ((len(moe_layers), *shape), P(None, *s.spec))
+                table[f"{kind}/block/{n}"] = ((*lead, *shape), P(*stacked, *s.spec))
             if block.spec.routed_bias:
-                table["moe/block/bias_E"] = ((len(moe_layers), block.spec.num_experts), P())
+                table[f"{kind}/block/bias_E"] = ((*lead, block.spec.num_experts), P())
         self.specs = {n: spec for n, (_, spec) in table.items()}
         pdt = jnp.dtype(config.param_dtype)
         ones = [n for n in table if n.endswith("norm")]
@@ -234,7 +298,8 @@ class Decoder(nnx.Module):
             g = {}
             for n, v in zip(names, values, strict=True):
                 v = v.astype(self.dtype)
-                g[n] = gather(v, lay.embed, roles[n].index("embed")) if "embed" in roles[n] else v
+                split = [i for i, r in enumerate(roles[n]) if r in ("embed", "hidden_embed")]
+                g[n] = gather(v, lay.embed, split[0]) if split else v
             return body(x, g)
 
         x_spec = self.moe_layout.x_BSM
@@ -251,8 +316,37 @@ class Decoder(nnx.Module):
         shard = jax.lax.axis_index(seq_axes) if seq_axes else 0
         q_pos = shard * seq + jnp.arange(seq)
         out = flash_attention(q, k_all, v_all, q_pos, jnp.arange(k_all.shape[1]))
-        context = checkpoint_name(out.reshape(*out.shape[:2], -1), "context")
+        context = out.reshape(*out.shape[:2], -1)
+        if "attn/wg" in g:
+            context = context * jax.nn.sigmoid(_dot(h, g["attn/wg"]))
+        context = checkpoint_name(context, "context")
         y = jnp.einsum("bsf,fm->bsm", context, g["attn/wo"])
+        return checkpoint_name(self._sum_hidden(y), "out_proj")
+
+    def _gdn(self, x, g):
+        """One device: RMSNorm, then Qwen3-Next's Gated DeltaNet over its tokens (the
+        convolution's halo and the state from the earlier sequence shards)."""
+        cfg, seq_axes = self.config, self.moe_layout.sequence
+        f32 = jnp.float32
+        h = _rms(x, g["attn_norm"])
+        b, s = h.shape[:2]
+        dk, dv = cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+
+        def conv(name, width):
+            y = gdn.causal_conv(_dot(h, g[f"lin/w{name}"]), g[f"lin/conv_{name}"], seq_axes)
+            return jax.nn.silu(y).reshape(b, s, -1, width)
+
+        q, k, v = conv("q", dk), conv("k", dk), conv("v", dv)
+        repeat = v.shape[2] // q.shape[2]  # key heads shared by value heads
+        q, k = jnp.repeat(q, repeat, axis=2), jnp.repeat(k, repeat, axis=2)
+        beta = jax.nn.sigmoid(_dot(h, g["lin/wb"]).astype(f32))
+        bias = g["lin/dt_bias"].astype(f32)[None, None]
+        rate = jax.nn.softplus(_dot(h, g["lin/wa"]).astype(f32) + bias)
+        decay = -jnp.exp(g["lin/a_log"].astype(f32))[None, None] * rate
+        out = gdn.sharded(q, k, v, decay, beta, seq_axes)  # float32 [B, S, H, V]
+        z = _dot(h, g["lin/wz"]).reshape(b, s, -1, dv).astype(f32)
+        out = (_rms(out, g["lin/norm"]) * jax.nn.silu(z)).astype(self.dtype)
+        y = jnp.einsum("bsf,fm->bsm", out.reshape(b, s, -1), g["lin/wo"])
         return checkpoint_name(self._sum_hidden(y), "out_proj")
 
     def _sum_hidden(self, y):
@@ -264,13 +358,14 @@ class Decoder(nnx.Module):
         a = jax.nn.silu(_dot(h, g["wi_0"], "mlpwi_0")) * _dot(h, g["wi_1"], "mlpwi_1")
         return checkpoint_name(self._sum_hidden(_dot(a, g["wo"])), "mlpwo")
 
-    def _layer(self, moe: bool):
+    def _layer(self, moe: bool, mixer: str = "attention"):
         """(x_BSM, one layer's weights) -> (x_BSM, load-balance loss), rematerialised
-        in the backward as the remat policy says."""
-        attn = [n for n in self.roles if n.startswith("attn")]
+        in the backward as the remat policy says; `mixer` attention or linear (GDN)."""
+        prefix, mix = ("lin/", self._gdn) if mixer == "linear" else ("attn/", self._attention)
 
         def layer(x, w):
-            x = x + self._layer_map(self._attention, {n: w[n] for n in attn}, x)
+            mixing = {n: v for n, v in w.items() if n.startswith(prefix) or n == "attn_norm"}
+            x = x + self._layer_map(mix, mixing, x)
             if not moe:
                 ffn = {n: w[n] for n in ("ffn_norm", "wi_0", "wi_1", "wo")}
                 return x + self._layer_map(self._dense_ffn, ffn, x), jnp.zeros((), jnp.float32)
@@ -338,6 +433,11 @@ class Decoder(nnx.Module):
         """Mean cross-entropy over every token plus the MoE layers' load-balance loss."""
         x = self._embed(w["embedding"], tokens_BS)
         balance = jnp.zeros((), jnp.float32)
+        if self.cycle:
+            x, lb = jax.lax.scan(
+                self._cycle(), x, (self._stack(w, "linear"), self._stack(w, "full"))
+            )
+            balance = balance + lb.sum()
         for kind in ("dense", "moe"):
             stack = {
                 n.removeprefix(f"{kind}/"): v for n, v in w.items() if n.startswith(f"{kind}/")
@@ -347,6 +447,26 @@ class Decoder(nnx.Module):
                 balance = balance + lb.sum()
         total = self._loss(w, x, targets_BS)
         return total / tokens_BS.size + LOAD_BALANCE_WEIGHT * balance
+
+    @staticmethod
+    def _stack(w: dict, kind: str) -> dict:
+        return {n.removeprefix(f"{kind}/"): v for n, v in w.items() if n.startswith(f"{kind}/")}
+
+    def _cycle(self):
+        """A Qwen3-Next cycle, scanned: its linear layers, then its full-attention one."""
+        linear, full = self._layer(True, "linear"), self._layer(True)
+
+        def cycle(x, stacks):
+            # The linear layers scanned too, not unrolled: unrolled in the cycle's
+            # body, XLA:GPU gathered the expert weights of all four layers at once (33
+            # GiB of 1 GiB gathered matrices and their copies live at the peak of
+            # Qwen3-Next's step on H200, where one layer's are counted).
+            linear_w, full_w = stacks
+            x, balance = jax.lax.scan(linear, x, linear_w)
+            x, lb = full(x, full_w)
+            return x, balance.sum() + lb
+
+        return cycle
 
     def _gqa(self, h, g):
         cfg = self.config

@@ -30,10 +30,11 @@ TINY = [
 PEAK_OVER_ESTIMATE = {"cpu": 3.0, "tpu": 6.0}
 
 
-def compiled(*more: str, target=None):
+def compiled(*more: str, target=None, layers: int = LAYERS):
     from checks.step import compile_step
 
-    cfg = selector.compose([*TINY, *more])
+    tiny = [o for o in TINY if not o.startswith("base_num_decoder_layers=")]
+    cfg = selector.compose([*tiny, f"base_num_decoder_layers={layers}", *more])
     plan = selector.resolve(cfg)
     try:
         program, numbers = compile_step(cfg, plan, target)
@@ -62,6 +63,28 @@ MLA = [
 @pytest.fixture(scope="module")
 def mla_cpu_step(jax_cpu8):
     return compiled(*MLA)
+
+
+# Qwen3-Next's decoder at tiny sizes: two scanned cycles of three Gated DeltaNet layers
+# and one gated full-attention layer, every layer with the MoE block, the sequence split
+# over context=4 (the GDN's state and convolution halo cross the shards).
+NEXT = [
+    "decoder_block=qwen3_next",
+    "inhomogeneous_layer_cycle_interval=4",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=16",
+    "gdn_num_key_heads=2",
+    "gdn_num_value_heads=4",
+    "gdn_key_head_dim=16",
+    "gdn_value_head_dim=16",
+]
+NEXT_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def next_cpu_step(jax_cpu8):
+    return compiled(*NEXT, layers=NEXT_LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +140,22 @@ def test_flash_attention_matches_full_scores(jax_cpu8):
         assert jnp.allclose(g, w, atol=1e-5)
 
 
-@pytest.mark.parametrize("step", ["cpu_step", "mla_cpu_step"])
+@pytest.mark.parametrize("step", ["cpu_step", "mla_cpu_step", "next_cpu_step"])
 def test_cpu_step_holds_every_parameter_and_adamw_state(step, request):
     """The arguments are the parameters (the selector's count x 4 bytes / 8 shards: every
-    weight is split over fsdp x context, MLA's up-projections included), AdamW's two
-    float32 moments of each, the step count and the tokens; the donated parameters and
-    state come back in place."""
+    weight is split over fsdp x context, MLA's up-projections and the GDN's convolution
+    included; only the GDN's two scalars a value head rest whole), AdamW's two float32
+    moments of each, the step count and the tokens; the donated parameters and state
+    come back in place."""
     cfg, plan, program, numbers = request.getfixturevalue(step)
     m = program.memory_analysis()
-    count = model_params(selector.to_config(cfg)).total
-    params = count * 4 // 8
+    config = selector.to_config(cfg)
+    count = model_params(config).total
+    whole = 0
+    if config.decoder_block == "qwen3_next":
+        linear = NEXT_LAYERS // 4 * 3
+        whole = 2 * config.gdn_num_value_heads * linear * 4  # a_log, dt_bias
+    params = (count * 4 - whole) // 8 + whole
     tokens = 2 * round(plan.per_device.tokens_per_device) * 4  # inputs and targets, int32
     assert m.argument_size_in_bytes == params + 2 * params + 4 + tokens
     assert m.alias_size_in_bytes >= 3 * params
@@ -143,6 +172,17 @@ def test_cpu_step_scans_layers_through_the_moe_block(cpu_step):
     assert "shard_map" in names
     for phase in ("route", "expert_compute", "combine"):
         assert phase in names, phase
+
+
+def test_qwen3_next_step_scans_its_cycles_and_keeps_the_sequence_split(next_cpu_step):
+    """The cycles' loop (forward and backward, trip count = cycles); the GDN's halo
+    crosses the context shards by collective-permute and its state maps by all-gather;
+    no GDN operand spans the whole sequence (1,024 tokens: a device's 256 only)."""
+    cfg, _, program, _ = next_cpu_step
+    text = program.as_text()
+    assert trip_counts(text).count(NEXT_LAYERS // 4) >= 2
+    assert "collective-permute" in text
+    assert not re.search(r"\[1,1024,4,16\]|\[1,1024,64\]", text)
 
 
 def test_cpu_step_peak_near_estimate(cpu_step):
