@@ -246,3 +246,105 @@ def test_shared_experts_follow_their_own_split_not_the_routed_experts():
         assert (p.gathered, p.gate_shards) == (8, 1)
         routed = 8 * 3 * 64 * 128 * 4
         assert (h.weights, h.gradients) == (routed, routed)
+
+
+def test_one_plain_mlp_holds_its_hidden_products_and_the_shared_experts():
+    """One expert runs a plain SwiGLU: its weights, its two (tokens, hidden) products
+    and the shared expert's two beside them; no router."""
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import activation_bytes
+
+    h, p = _tiny_held(
+        "ici_fsdp_parallelism=8",
+        "max_target_length=512",
+        "per_device_batch_size=1",
+        "num_experts=1",
+        "num_experts_per_tok=1",
+        "shared_experts=1",
+    )
+    assert (p.T, p.H, p.Hs, p.xb) == (512, 128, 128, 4)
+    assert activation_bytes(Dispatch.mlp, Exchange.gather, p) == 512 * 2 * (128 + 128) * 4
+    assert h.weights == 2 * 3 * 64 * 128 * 4  # the expert and the shared one, gathered
+
+
+def test_routed_dispatch_holds_the_shared_products_beside_the_router():
+    """A routed dispatch with a shared expert: the shared (tokens, 2 hidden) products and
+    the float32 router probabilities, both beside the rows."""
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import activation_bytes
+
+    over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
+    _, p0 = _tiny_held(*over)
+    _, p1 = _tiny_held(*over, "shared_experts=1")
+    for strategy in (Dispatch.dense, Dispatch.megablox):
+        without = activation_bytes(strategy, Exchange.gather, p0)
+        with_shared = activation_bytes(strategy, Exchange.gather, p1)
+        assert with_shared - without == 512 * 2 * 128 * 4
+    assert activation_bytes(Dispatch.dense, Exchange.gather, p0) > 512 * 8 * 4  # the router
+
+
+@pytest.mark.parametrize(
+    "platform, dtype, param_dtype, copy",
+    [
+        ("cpu", "bfloat16", "bfloat16", True),  # XLA:CPU multiplies in float32
+        ("gpu", "bfloat16", "float32", True),  # a cast XLA:GPU keeps apart
+        ("gpu", "bfloat16", "bfloat16", False),  # read in place
+        ("tpu", "bfloat16", "float32", False),  # XLA:TPU fuses the cast into the dots
+    ],
+)
+def test_weights_not_gathered_are_copied_only_where_the_compiler_keeps_a_cast(
+    platform, dtype, param_dtype, copy
+):
+    """Nothing gathered (the experts split over expert=8, exchanged): the routed and the
+    shared weights are held once more only where the platform's compiler keeps a cast,
+    in its compute element size (4 bytes on XLA:CPU)."""
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import has_weight_copy
+
+    h, p = _tiny_held(
+        "ici_expert_parallelism=8",
+        "expert_exchange=all_to_all",
+        "shared_experts=1",
+        f"dtype={dtype}",
+        f"param_dtype={param_dtype}",
+        "mode=prefill",
+    )
+    assert (p.gathered, p.gate_shards, p.E_c) == (1, 1, 1)
+    assert has_weight_copy(p, platform) is copy
+    got = held_buffers(Dispatch.megablox, Exchange.all_to_all, p, platform)
+    size = weight_copy_bytes(platform, p.xb)
+    assert got.weights == (2 * 3 * 64 * 128 * size if copy else 0)
+
+
+def test_gathered_training_holds_the_gradients_from_two_devices_up():
+    """The smallest gathers: over fsdp=2 the three weight gradients (and the shared
+    expert's) are held full size before their reduce-scatter; over expert=2 alone the
+    routed experts' are, while the shared expert rests whole and its gradient is an
+    output."""
+    h, p = _tiny_held(
+        "ici_fsdp_parallelism=2",
+        "ici_data_parallelism=4",
+        "expert_exchange=gather",
+        "shared_experts=1",
+    )
+    assert (p.gathered, p.gate_shards, p.train) == (2, 2, True)
+    assert h.gradients == (8 + 1) * 3 * 64 * 128 * 4
+    h, p = _tiny_held(
+        "ici_expert_parallelism=2",
+        "ici_data_parallelism=4",
+        "expert_exchange=gather",
+        "shared_experts=1",
+    )
+    assert (p.gathered, p.gate_shards, p.train) == (2, 1, True)
+    assert h.gradients == 8 * 3 * 64 * 128 * 4
+
+
+def test_temp_is_the_count_times_the_compilers_constant():
+    from selector.config import Dispatch, Exchange
+    from selector.memory_model import program_key, temp_bytes
+
+    cfg, plan, p = problem("ici_data_parallelism=1", "ici_fsdp_parallelism=8")
+    h = held_buffers(plan.strategy, plan.placement.exchange, p, "cpu")
+    assert temp_bytes(h, cfg) == pytest.approx(h.total * 1.45)
+    tpu = typed("hardware=v5p", "num_devices=8")
+    assert program_key(Dispatch.mlp, Exchange.gather, tpu) == "tpu train dense"
