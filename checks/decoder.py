@@ -439,9 +439,7 @@ class Decoder(nnx.Module):
             )
             balance = balance + lb.sum()
         for kind in ("dense", "moe"):
-            stack = {
-                n.removeprefix(f"{kind}/"): v for n, v in w.items() if n.startswith(f"{kind}/")
-            }
+            stack = self._stack(w, kind)
             if stack:
                 x, lb = jax.lax.scan(self._layer(kind == "moe"), x, stack)
                 balance = balance + lb.sum()

@@ -88,11 +88,16 @@ def _wy(q, k, v, g, beta, chunk):
     return q, k, u, w, gcum
 
 
+def _decayed_keys(k, gcum):
+    """(the chunk's total log decay, each key decayed to the chunk's end)."""
+    last = gcum[..., -1]
+    return last, k * jnp.exp(last[..., None] - gcum)[..., None]
+
+
 def _carry(s, k, u, w, gcum):
     """The state after a chunk, and the chunk's new values v_new = u - w S."""
     v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
-    last = gcum[..., -1]
-    k_dec = k * jnp.exp(last[..., None] - gcum)[..., None]
+    last, k_dec = _decayed_keys(k, gcum)
     s = s * jnp.exp(last)[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_dec, v_new)
     return s, v_new
 
@@ -131,9 +136,9 @@ def transition(q_BSHK, k_BSHK, v_BSHV, g_BSH, beta_BSH, chunk: int = CHUNK):
     def body(carry, xs):
         a, s = carry
         _, k_i, u_i, w_i, g_i = xs
-        # S' = exp(g_last) S + k_dec^T (u - w S): its linear part on S.
-        last = g_i[..., -1]
-        k_dec = k_i * jnp.exp(last[..., None] - g_i)[..., None]
+        # S' = exp(g_last) S + k_dec^T (u - w S): its linear part on S, and its
+        # constant part (the state carried from zero).
+        last, k_dec = _decayed_keys(k_i, g_i)
         step = jnp.exp(last)[..., None, None] * eye - jnp.einsum("bhck,bhcj->bhkj", k_dec, w_i)
         s, _ = _carry(s, k_i, u_i, w_i, g_i)
         return (jnp.einsum("bhkj,bhjl->bhkl", step, a), s), None

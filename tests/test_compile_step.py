@@ -153,7 +153,8 @@ def test_cpu_step_holds_every_parameter_and_adamw_state(step, request):
     count = model_params(config).total
     whole = 0
     if config.decoder_block == "qwen3_next":
-        linear = NEXT_LAYERS // 4 * 3
+        interval = config.inhomogeneous_layer_cycle_interval
+        linear = NEXT_LAYERS // interval * (interval - 1)
         whole = 2 * config.gdn_num_value_heads * linear * 4  # a_log, dt_bias
     params = (count * 4 - whole) // 8 + whole
     tokens = 2 * round(plan.per_device.tokens_per_device) * 4  # inputs and targets, int32

@@ -316,27 +316,26 @@ def test_weights_not_gathered_are_copied_only_where_the_compiler_keeps_a_cast(
     assert got.weights == (2 * 3 * 64 * 128 * size if copy else 0)
 
 
-def test_gathered_training_holds_the_gradients_from_two_devices_up():
+@pytest.mark.parametrize(
+    "axis, gate_shards, matrices",
+    [
+        ("ici_fsdp_parallelism", 2, 8 + 1),  # the routed experts' and the shared one's
+        ("ici_expert_parallelism", 1, 8),  # the shared expert rests whole: an output
+    ],
+)
+def test_gathered_training_holds_the_gradients_from_two_devices_up(axis, gate_shards, matrices):
     """The smallest gathers: over fsdp=2 the three weight gradients (and the shared
     expert's) are held full size before their reduce-scatter; over expert=2 alone the
     routed experts' are, while the shared expert rests whole and its gradient is an
     output."""
     h, p = _tiny_held(
-        "ici_fsdp_parallelism=2",
+        f"{axis}=2",
         "ici_data_parallelism=4",
         "expert_exchange=gather",
         "shared_experts=1",
     )
-    assert (p.gathered, p.gate_shards, p.train) == (2, 2, True)
-    assert h.gradients == (8 + 1) * 3 * 64 * 128 * 4
-    h, p = _tiny_held(
-        "ici_expert_parallelism=2",
-        "ici_data_parallelism=4",
-        "expert_exchange=gather",
-        "shared_experts=1",
-    )
-    assert (p.gathered, p.gate_shards, p.train) == (2, 1, True)
-    assert h.gradients == 8 * 3 * 64 * 128 * 4
+    assert (p.gathered, p.gate_shards, p.train) == (2, gate_shards, True)
+    assert h.gradients == matrices * 3 * 64 * 128 * 4
 
 
 def test_temp_is_the_count_times_the_compilers_constant():
