@@ -6,8 +6,10 @@ and reads it with the query q:
 
     S <- exp(g_t) S;  S <- S + beta_t k_t (v_t - k_t^T S);  o_t = q_t^T S
 
-`chunked` computes it the way MaxText 0.2.5 (`jax_chunk_gated_delta_rule`) and the
-reference kernels of the model do, a chunk of C tokens at a time: inside a chunk the
+`chunked` computes it the way MaxText 0.2.5 (`jax_chunk_gated_delta_rule`, read in its
+models/qwen3.py) and the reference kernels of the model do, a chunk of C tokens at a
+time (one difference: here every operand is float32, where MaxText casts the queries,
+keys, values, beta and the scan's u and w to the compute dtype): inside a chunk the
 delta rule's triangular system is solved once (the WY form: u and w), then a scan over
 the chunks carries the state. `recurrent` is the token-by-token rule, the reference the
 tests hold `chunked` to.
