@@ -7,6 +7,7 @@ cores.
     python -m checks.mutate selector --sample 40 --seed 0
     python -m checks.mutate torus                  # the MaxText route's torus check
     python -m checks.mutate memory                 # every mutant of the memory model
+    python -m checks.mutate cost                   # every mutant of the cost model
     python -m checks.mutate memory --again         # re-judged after the tests changed
     python -m checks.mutate placement --function exchange_group   # one function's mutants
 
@@ -70,6 +71,21 @@ PARTS = {
             "tests/test_selector_decisions.py",
             "tests/test_report_text.py",
             "tests/test_selector_findings.py",
+        ),
+    },
+    # The cost model (candidates, rows from the tile plans, FLOPs, traffic, time) against
+    # every selector test that prices a plan: resolve reaches it from each of them.
+    "cost": {
+        "modules": ("selector/cost.py",),
+        "tests": (
+            "tests/test_cost.py",
+            "tests/test_candidate_plan.py",
+            "tests/test_memory_model.py",
+            "tests/test_selector_decisions.py",
+            "tests/test_selector_api.py",
+            "tests/test_selector_findings.py",
+            "tests/test_whole_model.py",
+            "tests/test_report_text.py",
         ),
     },
     # The counted memory model against its own tests and the cost model's (a survivor

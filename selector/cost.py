@@ -198,16 +198,17 @@ def forward_flops(strategy: Dispatch, p: DeviceProblem) -> float:
     return ffn + router + einsums + shared
 
 
-def routed_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
-    """The routed experts' three matrices one device holds at rest (param_dtype)."""
-    return 3 * p.E * p.M * p.H * hidden_shards * p.pb / p.rest_shards
+def routed_rest_bytes(p: DeviceProblem) -> float:
+    """The routed experts' three matrices one device holds at rest (param_dtype). p.H is
+    the hidden width a device computes; rest_shards counts the hidden split too."""
+    return 3 * p.E * p.M * p.H * p.hidden_shards * p.pb / p.rest_shards
 
 
-def weight_rest_bytes(p: DeviceProblem, hidden_shards: int) -> float:
+def weight_rest_bytes(p: DeviceProblem) -> float:
     """Expert weights (routed and shared) and router kernel one device holds at rest
     (param_dtype); the shared experts rest split over the embed and hidden axes."""
     shared = 3 * p.M * p.Hs * p.pb / p.gate_shards
-    return routed_rest_bytes(p, hidden_shards) + shared + p.M * p.E * p.pb / p.gate_shards
+    return routed_rest_bytes(p) + shared + p.M * p.E * p.pb / p.gate_shards
 
 
 def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
@@ -318,8 +319,7 @@ def estimate(
     dev: PerDevice,
 ) -> Estimate:
     p = problem_shape(cfg, mesh, dev, place)
-    hidden_shards = mesh.product(place.hidden_axes)
-    rest = weight_rest_bytes(p, hidden_shards)
+    rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
     key = program_key(strategy, place.exchange, cfg)
     held = held_buffers(
@@ -346,7 +346,7 @@ def estimate(
     parts = tuple(t * factor for t in parts)
     state = state_bytes(cfg, p, rest)
     layers = max(cfg.num_moe_layers, 1)
-    relaid = routed_rest_bytes(p, hidden_shards) if relaid_for_gather(cfg, mesh, place) else 0.0
+    relaid = routed_rest_bytes(p) if relaid_for_gather(cfg, mesh, place) else 0.0
     step = step_memory(cfg, mesh, dev, state, rest * layers, relaid * layers)
     est = Estimate(
         strategy=strategy,

@@ -89,10 +89,14 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
         verdicts[chosen] = "chosen"
         return chosen, "num_experts=1: a plain SwiGLU MLP, nothing to route", verdicts
 
+    # Asked for by name, the capacity path is still priced (CAPACITY_REQUIRED says why
+    # it should not run); auto leaves it out when dropless routing is asked. Auto always
+    # has a dropless candidate (megablox), so `allowed` is never empty.
+    drop_capacity = cfg.capacity_factor <= 0 and cfg.dispatch is Dispatch.auto
     allowed, feasible = [], []
     for k in keys:
         est = estimates[k]
-        if k[0] is Dispatch.subgroup_capacity and cfg.capacity_factor <= 0 and len(keys) > 1:
+        if k[0] is Dispatch.subgroup_capacity and drop_capacity:
             verdicts[k] = "drops tokens, but capacity_factor <= 0 asks for dropless"
             continue
         allowed.append(k)
@@ -100,9 +104,6 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
             verdicts[k] = f"needs {_gib(est.device_bytes)} > {_gib(limit)}"
         else:
             feasible.append(k)
-    if not allowed:
-        allowed = keys
-
     if not feasible:
         chosen = min(allowed, key=lambda k: estimates[k].device_bytes)
         verdicts[chosen] = "chosen: holds the least, still too much"
@@ -113,15 +114,15 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
         chosen = min(feasible, key=lambda k: estimates[k].time_s)
         reason = f"requested explicitly with dispatch={cfg.dispatch.value}"
         others = [k for k in feasible if k != chosen]
-        if others:
-            other = min(others, key=lambda k: estimates[k].time_s)
+        if others:  # one dispatch's exchanges: gather and all_to_all, so one other
+            (other,) = others
             reason += (
                 f"; weights {chosen[1].value} ({_why_faster(estimates[chosen])}) beat "
                 f"{other[1].value} ({_why_faster(estimates[other])})"
             )
         for k in others:
             verdicts[k] = "slower (estimated)"
-    elif cfg.capacity_factor > 0 and capacity:
+    elif capacity:  # feasible holds the capacity path only when capacity_factor > 0
         chosen = capacity[0]
         reason = (
             f"capacity_factor={cfg.capacity_factor:g} asks for capacity-limited routing; "
@@ -131,10 +132,11 @@ def choose(cfg: Config, estimates: dict[Key, Estimate]) -> tuple[Key, str, dict[
             if k != chosen:
                 verdicts[k] = "dropless: would ignore capacity_factor"
     else:
-        dropless = [k for k in feasible if k[0] is not Dispatch.subgroup_capacity] or feasible
-        chosen = min(dropless, key=lambda k: estimates[k].time_s)
+        # Every feasible candidate is dropless here: the capacity path was left out above
+        # (capacity_factor <= 0) or is not feasible (it wins the branch before).
+        chosen = min(feasible, key=lambda k: estimates[k].time_s)
         reason = f"fastest dropless candidate that fits ({_why_faster(estimates[chosen])})"
-        runner_up = [k for k in dropless if k != chosen]
+        runner_up = [k for k in feasible if k != chosen]
         if runner_up:
             other = min(runner_up, key=lambda k: estimates[k].time_s)
             reason += f"; next: {estimates[other].name} ({_why_faster(estimates[other])})"

@@ -421,3 +421,75 @@ def test_an_unusable_time_calibration_scales_nothing(tmp_path):
     for program in ("cpu train megablox", "cpu prefill dense"):
         assert time_factor(unusable, program) == 1.0
         assert time_factor(typed(), program) == 1.0
+
+
+def test_weights_at_rest_counted_by_hand():
+    """The routed experts' three emb x hidden matrices over the devices holding distinct
+    shards (the hidden split over tensor counts among them); one shared expert and the
+    router kernel over the embed axes. tiny: 8 experts, emb 64, hidden 128, float32."""
+    from selector.cost import routed_rest_bytes, weight_rest_bytes
+
+    _, _, p = problem(
+        "ici_fsdp_parallelism=4",
+        "ici_tensor_parallelism=2",
+        "ici_data_parallelism=1",
+        "per_device_batch_size=0.5",
+    )
+    assert (p.H, p.hidden_shards, p.rest_shards, p.pb) == (64, 2, 8, 4)
+    assert routed_rest_bytes(p) == 8 * 3 * 64 * 128 * 4 / 8
+    _, _, p = problem("ici_fsdp_parallelism=8", "ici_data_parallelism=1", "shared_experts=1")
+    assert (p.rest_shards, p.gate_shards) == (8, 8)
+    assert weight_rest_bytes(p) == (8 * 3 * 64 * 128 + 3 * 64 * 128 + 64 * 8) * 4 / 8
+
+
+def test_forward_flops_counted_by_hand():
+    """Three matmuls of 2 x emb x hidden a computed row, the router's emb x E a token
+    (none for a plain MLP), and for the capacity path the dispatch and combine einsums
+    over the (token, expert, capacity) mask, 2 x emb FLOPs an element each."""
+    from selector.cost import forward_flops
+    from selector.problem import rows
+
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    _, _, p = problem(*over)
+    T, C = p.T, p.C
+    assert (p.M, p.H, p.E, p.Hs) == (64, 128, 8, 0)
+    for strategy in (Dispatch.megablox, Dispatch.dense):
+        expected = 6 * rows(strategy, p) * 64 * 128 + 2 * T * 64 * 8
+        assert forward_flops(strategy, p) == expected, strategy
+    capacity = 6 * rows(Dispatch.subgroup_capacity, p) * 64 * 128 + 2 * T * 64 * 8
+    capacity += 2 * (2 * T * 8 * C * 64)
+    assert forward_flops(Dispatch.subgroup_capacity, p) == capacity
+    _, _, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
+    assert forward_flops(Dispatch.mlp, p) == 6 * p.T * 64 * 128
+
+
+@pytest.mark.parametrize("mode", ["train", "prefill"])
+def test_the_block_program_returns_gradients_when_training(mode):
+    """The block's program takes the weights and its input; training returns a gradient
+    of each (their sizes), prefill only its output (the input's size)."""
+    import dataclasses
+
+    from selector.cost import block_memory
+
+    _, plan, p = problem("ici_fsdp_parallelism=8", "ici_data_parallelism=1", f"mode={mode}")
+    x = p.T * 64 * p.xb
+    mem = block_memory(p, 1000.0, 7.0)
+    grads = 1000.0 + x if mode == "train" else x
+    assert (mem.arguments, mem.outputs, mem.temp) == (1000.0 + x, grads, 7.0)
+    assert mem.peak == 1000.0 + x + grads + 7.0
+    chosen = plan.chosen_estimate.memory
+    assert dataclasses.asdict(chosen)["outputs"] == (chosen.arguments if mode == "train" else x)
+
+
+def test_shared_experts_weights_are_read_on_every_pass():
+    """A shared expert's three matrices are read whole on each pass (forward, and the
+    backward's two), at the compute dtype, whatever the routing."""
+    from selector.cost import weights_read
+
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    _, _, p = problem(*over, "shared_experts=1")
+    _, _, p0 = problem(*over)
+    assert (p.passes, p.Hs) == (3, 128)
+    for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
+        added = weights_read(strategy, p) - weights_read(strategy, p0)
+        assert added == 3 * 64 * 128 * p.xb * 3, strategy

@@ -226,6 +226,8 @@ def test_candidate_json_carries_the_derived_numbers(hardware):
             e.exchange.value,
             e.name,
         )
+        # Plain names, not the enums (which compare equal to them but are not JSON's).
+        assert type(d["strategy"]) is str and type(d["exchange"]) is str
         assert d["device_bytes"] == e.device_bytes > 0
         assert d["device_breakdown"] == e.device_breakdown is not None
         assert d["memory"] == {**dataclasses.asdict(e.memory), "peak": e.memory.peak}

@@ -269,3 +269,69 @@ def test_to_config_raises_config_error_naming_the_key_and_the_fix(mapping, key, 
 )
 def test_to_config_defaults_as_compose_does(mapping, overrides):
     assert selector.to_config(mapping) == selector.to_config(selector.compose(overrides))
+
+
+# The auto pick and an explicit dispatch's exchange, each where the fastest candidate is
+# not the first by name (a pick made without the time key would differ).
+QWEN3_NEXT_CP4 = (
+    "model=qwen3_next_80b_a3b",
+    "ici_context_parallelism=4",
+    "per_device_batch_size=0.25",
+    "num_devices=64",
+)
+PICKS = [
+    (QWEN3_NEXT_CP4, ("megablox", "all_to_all")),  # auto: dense/gather comes first by name
+    (QWEN3_NEXT_CP4 + ("dispatch=megablox",), ("megablox", "all_to_all")),
+    (("model=tiny", "ici_expert_parallelism=2", "dispatch=megablox"), ("megablox", "gather")),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", PICKS)
+def test_the_pick_is_the_fastest_candidate_it_may_run(overrides, expected):
+    plan, _ = analyse(_config(*overrides))
+    (chosen,) = [c for c in plan.candidates if c.chosen]
+    assert (chosen.strategy.value, chosen.exchange.value) == expected
+    asked = plan.config.dispatch
+    may_run = [
+        c
+        for c in plan.candidates
+        if c.estimate.fits
+        and c.strategy.value != "subgroup_capacity"
+        and (asked.value == "auto" or c.strategy is asked)
+    ]
+    assert len(may_run) > 1 and chosen in may_run
+    assert chosen.estimate.time_s == min(c.estimate.time_s for c in may_run)
+    for c in may_run:
+        if c is not chosen:
+            assert c.verdict == "slower (estimated)", c.estimate.name
+    # The reason names the runner-up: the next fastest (by exchange when one dispatch
+    # was asked for).
+    runner_up = sorted(may_run, key=lambda c: c.estimate.time_s)[1]
+    named = runner_up.estimate.name if asked.value == "auto" else runner_up.exchange.value
+    assert f"; next: {named} (" in plan.reason or f" beat {named} (" in plan.reason
+
+
+def test_auto_weighs_the_exchange_and_an_asked_exchange_narrows_every_dispatch():
+    mesh = ("model=tiny", "ici_expert_parallelism=2")
+    plan, _ = analyse(_config(*mesh))
+    assert {(c.strategy.value, c.exchange.value) for c in plan.candidates} == {
+        ("subgroup_capacity", "gather"),
+        ("megablox", "gather"),
+        ("megablox", "all_to_all"),
+        ("dense", "gather"),
+    }
+    plan, _ = analyse(_config(*mesh, "expert_exchange=all_to_all"))
+    assert [(c.strategy.value, c.exchange.value) for c in plan.candidates] == [
+        ("megablox", "all_to_all")
+    ]
+
+
+def test_capacity_asked_by_name_without_a_capacity_factor_is_priced_and_refused():
+    """dispatch=subgroup_capacity with capacity_factor=0: the plan shows what it would
+    hold (the error's fixes compare against it) and the error says why not to run it."""
+    plan, found = analyse(_config("model=tiny", "dispatch=subgroup_capacity", "capacity_factor=0"))
+    (chosen,) = [c for c in plan.candidates if c.chosen]
+    assert chosen.strategy.value == "subgroup_capacity" and chosen.estimate.fits
+    assert chosen.verdict == "chosen"
+    assert plan.reason == "requested explicitly with dispatch=subgroup_capacity"
+    assert "CAPACITY_REQUIRED" in codes(found)
