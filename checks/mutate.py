@@ -8,6 +8,7 @@ cores.
     python -m checks.mutate torus                  # the MaxText route's torus check
     python -m checks.mutate memory                 # every mutant of the memory model
     python -m checks.mutate cost                   # every mutant of the cost model
+    python -m checks.mutate cost --survivors       # its survivors again, after new tests
     python -m checks.mutate memory --again         # re-judged after the tests changed
     python -m checks.mutate placement --function exchange_group   # one function's mutants
 
@@ -177,22 +178,40 @@ def main(argv: list[str] | None = None) -> int:
         help="run every chosen mutant even where mutmut stored a result (after the tests "
         "changed: a plain run resumes, and keeps the survivors of the tests before)",
     )
+    ap.add_argument(
+        "--survivors",
+        action="store_true",
+        help="run again only the chosen mutants mutmut stored as survivors (after tests "
+        "were added for them; a changed function's mutants need --function NAME --again)",
+    )
     args = ap.parse_args(argv)
     spec = PARTS[args.part]
     work = workdir(args.part)
     rng = random.Random(args.seed)  # one draw across the part's modules, in PARTS order
     chosen: dict[str, list[str]] = {}
     total: dict[str, int] = {}
+    every_of: dict[str, list[str]] = {}
     for module in spec["modules"]:
         every = mutant_names(module)
-        if args.function:  # mutmut names a function's mutants x_NAME__mutmut_K
-            every = [n for n in every if f"x_{args.function}__mutmut_" in n]
+        if args.function:  # mutmut names x_NAME__mutmut_K, a method xǁClassǁNAME__mutmut_K
+            every = [
+                n
+                for n in every
+                if f"x_{args.function}__mutmut_" in n or f"ǁ{args.function}__mutmut_" in n
+            ]
         total[module] = len(every)
+        every_of[module] = every
         chosen[module] = rng.sample(every, min(args.sample, len(every))) if args.sample else every
+    if args.survivors:
+        stored = results(work)
+        chosen = {m: [n for n in chosen[m] if stored.get(n) == "survived"] for m in chosen}
     names = [n for module in spec["modules"] for n in chosen[module]]
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
     # Named mutants are run even when a result is stored (a sample is re-judged whole).
-    named = args.sample or args.function or args.again
+    named = args.sample or args.function or args.again or args.survivors
+    if args.survivors and not names:
+        print("no stored survivors to run again")
+        return 0
     code = subprocess.run(run + (names if named else []), cwd=work).returncode
     if code != 0:
         return code
@@ -208,9 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.sample
             else f"{total[module]} mutants"
         )
+        if args.survivors:
+            of = f"the stored survivors of {total[module]} mutants"
         if args.function:
             of += f" of {args.function}"
         print(f"  {module}: {len(mine) - len(survived)} of {len(mine)} killed ({of})")
+        if args.survivors or args.function:
+            every = every_of[module]
+            killed = sum(status.get(n) == "killed" for n in every)
+            print(f"    every stored result of those {len(every)}: {killed} killed")
     for name in survivors:
         print(f"\n{name}: {status.get(name)}")
         shown = subprocess.run(

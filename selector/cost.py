@@ -164,7 +164,7 @@ class Estimate:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.pop("step", None)  # shown as device_breakdown
+        del d["step"]  # shown as device_breakdown
         d["strategy"] = self.strategy.value
         d["exchange"] = self.exchange.value
         d["name"] = self.name
@@ -184,8 +184,8 @@ def expected_rounds(p: DeviceProblem, num_devices: int) -> int:
     if p.group <= 1:
         return 1
     mean = p.T * p.k / p.group
-    sigma = math.sqrt(max(mean * (1 - 1 / p.group), 0.0))
-    z = math.sqrt(2 * math.log(max(num_devices * p.group, 2)))
+    sigma = math.sqrt(mean * (1 - 1 / p.group))
+    z = math.sqrt(2 * math.log(num_devices * p.group))  # group >= 2: the log is >= ln 4
     return max(1, math.ceil((mean + z * sigma) / buffer_rows(p) - 1e-9))
 
 

@@ -493,3 +493,30 @@ def test_shared_experts_weights_are_read_on_every_pass():
     for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
         added = weights_read(strategy, p) - weights_read(strategy, p0)
         assert added == 3 * 64 * 128 * p.xb * 3, strategy
+    # A plain MLP reads its one expert's matrices on every pass.
+    _, _, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
+    assert weights_read(Dispatch.mlp, p) == 3 * 64 * 128 * p.xb * 3
+
+
+def test_activations_written_counted_by_hand():
+    """A plain MLP writes its two hidden products and their product (3 x hidden a token)
+    and its output; a shared expert adds its three hidden products a token."""
+    from selector.cost import activation_traffic
+
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    _, _, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
+    xb = p.xb
+    assert activation_traffic(Dispatch.mlp, Exchange.gather, p) == p.T * (3 * 128 + 64) * xb
+    # The capacity path's dispatched rows in and out (2 x emb) and hidden products
+    # (3 x hidden) for every (group, expert, slot), the router's float32 probabilities
+    # and the block's output.
+    _, _, p = problem(*over)
+    capacity = p.G * 8 * p.C * (2 * 64 + 3 * 128) * xb + p.T * 8 * 4 + p.T * 64 * xb
+    assert activation_traffic(Dispatch.subgroup_capacity, Exchange.gather, p) == capacity
+    _, _, p = problem(*over, "shared_experts=1")
+    _, _, p0 = problem(*over)
+    for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
+        added = activation_traffic(strategy, Exchange.gather, p) - activation_traffic(
+            strategy, Exchange.gather, p0
+        )
+        assert added == p.T * 3 * 128 * xb, strategy
