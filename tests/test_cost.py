@@ -520,3 +520,102 @@ def test_activations_written_counted_by_hand():
             strategy, Exchange.gather, p0
         )
         assert added == p.T * 3 * 128 * xb, strategy
+
+
+def test_a_time_calibration_scales_the_programs_it_measured(tmp_path):
+    """A calibration's ratio multiplies each time term of the program it names; a
+    program it has no ratio for keeps the model's time."""
+    from selector.cost import program_key, program_of
+
+    cfg = typed("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    plain = selector.resolve(cfg)
+    gathered = _candidate(plain, Dispatch.megablox)
+    program = program_of(program_key(Dispatch.megablox, Exchange.gather, cfg))
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"hardware": cfg.hardware.name, "ratios": {program: 3.0}}))
+    scaled = selector.resolve(
+        typed("ici_fsdp_parallelism=8", "ici_data_parallelism=1", f"time_calibration={path}")
+    )
+    after = _candidate(scaled, Dispatch.megablox)
+    assert after.time_parts == pytest.approx(tuple(3.0 * t for t in gathered.time_parts))
+    assert after.time_s == pytest.approx(3.0 * gathered.time_s)
+    other = _candidate(scaled, Dispatch.dense)
+    assert other.time_s == pytest.approx(_candidate(plain, Dispatch.dense).time_s)
+
+
+def test_what_an_estimate_reports_counted_by_hand():
+    """tiny (8 experts, emb 64, hidden 128, float32), training over fsdp 8: the block's
+    input is tokens x emb; a gathered plan runs one round; every MoE layer's state at
+    rest is its weights, their gradients and 8 bytes of Adam moments a parameter; only
+    the grouped matmul prices row tiles; a plain MLP computes one row a token."""
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    cfg, plan, p = problem(*over)
+    rest = (8 * 3 * 64 * 128 + 64 * 8) * 4 / 8
+    assert cfg.num_moe_layers >= 1 and cfg.optimizer_bytes_per_param == 8
+    for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
+        est = _candidate(plan, strategy)
+        assert est.input_bytes == p.T * 64 * 4, strategy
+        assert est.rounds == 1, strategy
+        assert est.state_bytes == pytest.approx(4 * rest * cfg.num_moe_layers), strategy
+        assert est.as_dict()["state_bytes"] == est.state_bytes
+    # The Pallas kernel (a TPU's) prices each row tile it could run at.
+    _, tpu, _ = problem(*over, "hardware=v5p")
+    for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
+        priced = _candidate(tpu, strategy).tile_options
+        assert (len(priced) > 1) is (strategy is Dispatch.megablox), strategy
+    _, plan, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
+    assert plan.chosen_estimate.rows == p.T
+
+
+def test_with_memory_puts_the_program_in_and_fits_at_the_chip_exactly():
+    """A compiled program replaces the estimated one; a device that holds exactly the
+    chip's memory fits, a byte more does not."""
+    import dataclasses
+
+    from selector.cost import with_memory
+
+    est = selector.resolve(typed()).chosen_estimate
+    bigger = dataclasses.replace(est.memory, temp=est.memory.temp + 2**20)
+    grown = with_memory(est, bigger, 1000.0)
+    assert grown.memory is bigger
+    assert grown.device_bytes == pytest.approx(est.device_bytes + 2**20)
+    assert with_memory(est, bigger, grown.device_bytes / 2**30).fits
+    assert not with_memory(est, bigger, (grown.device_bytes - 1) / 2**30).fits
+
+
+def test_a_tensor_split_across_slices_sums_its_partial_outputs_over_dcn():
+    """Two v5p-64 slices joined over tensor: the hidden halves sit on different slices,
+    so the partial outputs' all-reduce crosses DCN and nothing else does."""
+    common = (
+        "model=qwen3_30b_a3b",
+        "hardware=v5p",
+        "num_devices=128",
+        "ici_fsdp_parallelism=64",
+        "per_device_batch_size=0.5",
+        "max_target_length=4096",
+        "dispatch=megablox",
+        "expert_exchange=gather",
+    )
+    one = selector.resolve(typed(*common, "num_slices=1", "ici_tensor_parallelism=2"))
+    two = selector.resolve(typed(*common, "num_slices=2", "dcn_tensor_parallelism=2"))
+    t1, t2 = one.chosen_estimate.traffic, two.chosen_estimate.traffic
+    assert t1.tensor_reduce == pytest.approx(t2.tensor_reduce) and t1.tensor_reduce > 0
+    assert t1.dcn == 0 and t2.dcn == pytest.approx(t2.tensor_reduce)
+
+
+def test_two_experts_unsplit_are_relaid_for_their_gather_on_a_gpu():
+    """Two experts on every device, emb gathered over fsdp: more than one expert rests
+    on a device, so XLA:GPU relays the stacks (selector.cost.relaid_for_gather)."""
+    from selector.cost import relaid_for_gather
+
+    cfg, plan, _ = problem(
+        "hardware=h200",
+        "num_experts=2",
+        "num_experts_per_tok=1",
+        "ici_fsdp_parallelism=8",
+        "ici_data_parallelism=1",
+        "dispatch=megablox",
+        "expert_exchange=gather",
+    )
+    assert plan.mesh.product(plan.placement.experts_axes) == 1
+    assert relaid_for_gather(cfg, plan.mesh, plan.placement)
