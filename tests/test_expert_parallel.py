@@ -77,6 +77,15 @@ def test_matches_reference_and_the_gathered_statistics(jax_cpu8, mesh_name):
     assert float(stats["exchange_rounds"]) == 2
 
 
+def test_ragged_dot_backend_matches_reference(jax_cpu8):
+    """XLA's ragged_dot as the exchanged block's grouped matmul: its backward goes through
+    jax.vjp a slot at a time and adds each slot's weight gradient to the accumulators."""
+    model = build("megablox", MESHES["expert2_cp4"], BATCH, SEQ, *EP, "gmm_backend=ragged_dot")
+    assert model.plan.gmm_backend == "ragged_dot"
+    x, cot = inputs(BATCH, SEQ)
+    check_against_reference(model, x, cot, "ragged_dot")
+
+
 def test_fsdp_in_the_group_keeps_the_router_and_shared_experts_split(jax_cpu8):
     """With fsdp folded into the expert group, each routed expert rests whole on one
     device, while the router kernel and the gated shared expert (held by every device)

@@ -17,6 +17,9 @@ CASES = {
     "empty_experts": [300, 0, 650, 50],
     "tiny_groups": [1, 2, 3, 994],
     "every_tile_class": [512 + 256 + 128 + 64 + 7, 33, 0, 0],
+    # More experts than the contraction's 24, each with a tail tile only: the tail
+    # loop's schedule is sized by the experts, not by a weight's other dimensions.
+    "more_experts_than_emb": [31] * 32,
 }
 
 
