@@ -113,6 +113,9 @@ def test_multi_weights_share_one_pass_and_sum_input_gradients():
 
 def test_tile_classes_never_exceed_the_rows():
     assert tile_classes(10_000) == (512, 256, 128, 64)
+    # A tile as large as the array is usable: 512 rows are one 512-row tile.
+    assert tile_classes(512) == (512, 256, 128, 64)
+    assert tile_classes(128) == (128, 64)
     assert tile_classes(100) == (64,)
     assert tile_classes(37) == (32,)
     assert tile_classes(1) == (1,)

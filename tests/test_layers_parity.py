@@ -192,3 +192,30 @@ def test_the_plans_row_tile_reaches_the_pallas_kernels(jax_cpu8, monkeypatch, ex
     assert_close(gx, rgx, what="d/dx")
     for name in ("gate_ME", "wi_0_EMH", "wi_1_EMH", "wo_EHM"):
         assert_close(getattr(gw, name), getattr(rgw, name), what=f"d/d{name}")
+
+
+def test_the_exchanged_pallas_backward_adds_into_its_accumulators(jax_cpu8, monkeypatch):
+    """Exchanged with the Pallas kernels, each slot's weight gradient is added by tgmm
+    into the float32 accumulators in place (`existing_out`), not returned a slot at a
+    time and added afterwards (what jax.vjp of the kernel would do)."""
+    from layers import pallas_gmm
+
+    accumulating = []
+    tgmm = pallas_gmm._kernels.tgmm
+
+    def recorded(*args, **kw):
+        accumulating.append("existing_out" in kw)
+        return tgmm(*args, **kw)
+
+    monkeypatch.setattr(pallas_gmm._kernels, "tgmm", recorded)
+    model = build(
+        "megablox",
+        MESHES["fsdp2_cp4"],
+        BATCH,
+        SEQ,
+        "gmm_backend=pallas_megablox",
+        "expert_exchange=all_to_all",
+    )
+    x, cot = inputs(BATCH, SEQ)
+    loss_and_grads(model, x, cot)
+    assert accumulating and all(accumulating), accumulating
