@@ -83,19 +83,25 @@ def test_the_tensor_axis_all_reduce_is_priced():
     assert est.traffic.network >= est.traffic.tensor_reduce > 0.4e9
 
 
-def test_a_gradient_all_reduce_across_slices_is_priced_at_dcn():
-    """Two v5p-64 slices joined over data: the expert weights rest alike in both, so
-    their gradients are summed across slices, over DCN."""
-    common = (
+def _qwen3_30b_a3b_gathered_on_128_v5p(batch: str) -> tuple[str, ...]:
+    """Qwen3-30B-A3B on 128 v5p chips, fsdp 64 within a slice, the experts gathered;
+    the caller adds the batch and how the other factor of 2 is laid out."""
+    return (
         "model=qwen3_30b_a3b",
         "hardware=v5p",
         "num_devices=128",
         "ici_fsdp_parallelism=64",
-        "per_device_batch_size=1",
+        batch,
         "max_target_length=4096",
         "dispatch=megablox",
         "expert_exchange=gather",
     )
+
+
+def test_a_gradient_all_reduce_across_slices_is_priced_at_dcn():
+    """Two v5p-64 slices joined over data: the expert weights rest alike in both, so
+    their gradients are summed across slices, over DCN."""
+    common = _qwen3_30b_a3b_gathered_on_128_v5p("per_device_batch_size=1")
     one = selector.resolve(typed(*common, "num_slices=1", "ici_data_parallelism=2"))
     two = selector.resolve(typed(*common, "num_slices=2", "dcn_data_parallelism=2"))
     g1, g2 = one.chosen_estimate.traffic, two.chosen_estimate.traffic
@@ -527,15 +533,14 @@ def test_a_time_calibration_scales_the_programs_it_measured(tmp_path):
     program it has no ratio for keeps the model's time."""
     from selector.cost import program_key, program_of
 
-    cfg = typed("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    cfg = typed(*over)
     plain = selector.resolve(cfg)
     gathered = _candidate(plain, Dispatch.megablox)
     program = program_of(program_key(Dispatch.megablox, Exchange.gather, cfg))
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"hardware": cfg.hardware.name, "ratios": {program: 3.0}}))
-    scaled = selector.resolve(
-        typed("ici_fsdp_parallelism=8", "ici_data_parallelism=1", f"time_calibration={path}")
-    )
+    scaled = selector.resolve(typed(*over, f"time_calibration={path}"))
     after = _candidate(scaled, Dispatch.megablox)
     assert after.time_parts == pytest.approx(tuple(3.0 * t for t in gathered.time_parts))
     assert after.time_s == pytest.approx(3.0 * gathered.time_s)
@@ -586,16 +591,7 @@ def test_with_memory_puts_the_program_in_and_fits_at_the_chip_exactly():
 def test_a_tensor_split_across_slices_sums_its_partial_outputs_over_dcn():
     """Two v5p-64 slices joined over tensor: the hidden halves sit on different slices,
     so the partial outputs' all-reduce crosses DCN and nothing else does."""
-    common = (
-        "model=qwen3_30b_a3b",
-        "hardware=v5p",
-        "num_devices=128",
-        "ici_fsdp_parallelism=64",
-        "per_device_batch_size=0.5",
-        "max_target_length=4096",
-        "dispatch=megablox",
-        "expert_exchange=gather",
-    )
+    common = _qwen3_30b_a3b_gathered_on_128_v5p("per_device_batch_size=0.5")
     one = selector.resolve(typed(*common, "num_slices=1", "ici_tensor_parallelism=2"))
     two = selector.resolve(typed(*common, "num_slices=2", "dcn_tensor_parallelism=2"))
     t1, t2 = one.chosen_estimate.traffic, two.chosen_estimate.traffic

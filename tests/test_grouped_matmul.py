@@ -145,7 +145,8 @@ def test_pallas_megablox_pads_rows_to_its_tile(sizes):
 
 
 def _recording_kernels(monkeypatch):
-    """Wrap the Pallas kernels the layers call, recording each call's (tiling, rows)."""
+    """Wrap the Pallas kernels the layers call, recording each call's (name, tiling,
+    rows, whether it adds into an accumulator it is given: tgmm's `existing_out`)."""
     from layers import pallas_gmm
 
     seen = []
@@ -154,7 +155,7 @@ def _recording_kernels(monkeypatch):
 
         def recorded(lhs, rhs, sizes, dtype, tiling, *args, _kernel=kernel, _name=name, **kw):
             rows = lhs.shape[1] if _name == "tgmm" else lhs.shape[0]  # tgmm takes x^T
-            seen.append((_name, tuple(tiling), rows))
+            seen.append((_name, tuple(tiling), rows, "existing_out" in kw))
             return _kernel(lhs, rhs, sizes, dtype, tiling, *args, **kw)
 
         monkeypatch.setattr(pallas_gmm._kernels, name, recorded)
@@ -183,9 +184,9 @@ def test_pallas_megablox_runs_the_row_tile_it_is_given(monkeypatch, row_tile):
     want = jax.grad(loss("tiled_gmm"), argnums=(0, 1))(x, w)
     assert_close(got[0], want[0], what="pallas dx")
     assert_close(got[1], want[1], what="pallas dw")
-    assert {name for name, _, _ in seen} == {"gmm", "tgmm"}
+    assert {name for name, _, _, _ in seen} == {"gmm", "tgmm"}
     padded = -(-rows // row_tile) * row_tile
-    assert {(tiling[0], m) for _, tiling, m in seen} == {(row_tile, padded)}
+    assert {(tiling[0], m) for _, tiling, m, _ in seen} == {(row_tile, padded)}
 
 
 @pytest.mark.parametrize("backend", ["tiled_gmm", "pallas_megablox"])
