@@ -284,6 +284,27 @@ def emulated_ragged_all_to_all(
     return output.at[target].set(got.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
+def test_ragged_rounds_send_each_real_row_once_and_never_overrun_a_slot(jax_cpu8):
+    """What the ragged transport tells ragged_all_to_all to send each round: every
+    real row of a slot exactly once over the rounds, at most B a round (more would write
+    into the next member's slot, whose rows XLA may land in either order), never a
+    negative count, and nothing once the rows are spent (empty rows would cross the
+    link, which is what the ragged transport exists to avoid). The emulated collective
+    cannot show these: its later writes win, and empty rows arrive as empty rows."""
+    from layers.expert_parallel import _slot_sizes
+
+    buffer_rows = 8
+    counts_G = jnp.asarray([0, 1, 8, 9, 17, 24], jnp.int32)
+    needed = int(np.ceil(int(counts_G.max()) / buffer_rows))
+    sizes = np.stack([np.asarray(_slot_sizes(counts_G, r, buffer_rows)) for r in range(needed + 2)])
+    assert sizes.dtype == np.int32
+    assert sizes.min() >= 0 and sizes.max() <= buffer_rows
+    np.testing.assert_array_equal(sizes.sum(0), np.asarray(counts_G))
+    np.testing.assert_array_equal(sizes[needed:], 0)
+    # Full buffers first: a round sends B rows while B or more are left.
+    np.testing.assert_array_equal(sizes[0], [0, 1, 8, 8, 8, 8])
+
+
 @pytest.mark.parametrize("kind", ["balanced", "one_owner"])
 def test_ragged_backend_logic_with_an_emulated_collective(jax_cpu8, monkeypatch, kind):
     """The ragged transport's offsets and sizes, run on CPU through an emulation of the
