@@ -305,6 +305,32 @@ def test_ragged_rounds_send_each_real_row_once_and_never_overrun_a_slot(jax_cpu8
     np.testing.assert_array_equal(sizes[0], [0, 1, 8, 8, 8, 8])
 
 
+@pytest.mark.parametrize("most", [1, 7, 8, 9, 16, 17])
+def test_every_device_agrees_on_enough_rounds_for_the_largest_send(jax_cpu8, most):
+    """rounds_needed over 8 devices, one of which sends an owner `most` rows in
+    buffers of 8: the fewest rounds that carry them (one more row than a whole number
+    of buffers takes one more round), the same on every device."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from layers.expert_parallel import ExchangeGroup, rounds_needed
+
+    mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Explicit,))
+    ex = ExchangeGroup(("context",), 8, ("context",), 1.0, "all_to_all", "tiled_gmm", jnp.float32)
+    counts = np.zeros((8, 8), np.int32)  # (device, owner): what each device sends each owner
+    counts[:, 3] = 1
+    counts[5, 2] = most
+
+    def body(counts_G):
+        return rounds_needed(counts_G[0], 8, ex)[None]
+
+    split = NamedSharding(mesh, P("context"))
+    rounds = jax.shard_map(body, mesh=mesh, in_specs=P("context"), out_specs=P("context"))(
+        jax.device_put(counts, split)
+    )
+    np.testing.assert_array_equal(np.asarray(rounds), math.ceil(most / 8))
+
+
 @pytest.mark.parametrize("kind", ["balanced", "one_owner"])
 def test_ragged_backend_logic_with_an_emulated_collective(jax_cpu8, monkeypatch, kind):
     """The ragged transport's offsets and sizes, run on CPU through an emulation of the
