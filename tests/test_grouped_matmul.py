@@ -17,6 +17,9 @@ CASES = {
     "empty_experts": [300, 0, 650, 50],
     "tiny_groups": [1, 2, 3, 994],
     "every_tile_class": [512 + 256 + 128 + 64 + 7, 33, 0, 0],
+    # An expert with more than one tile of the largest class: the loop over them steps
+    # forward from the expert's first row.
+    "two_largest_tiles": [40, 2 * 512 + 64 + 12, 0, 300],
     # More experts than the contraction's 24, each with a tail tile only: the tail
     # loop's schedule is sized by the experts, not by a weight's other dimensions.
     "more_experts_than_emb": [31] * 32,
@@ -62,7 +65,9 @@ def test_forward_and_gradients_match_reference(case):
     assert np.all(np.asarray(dw)[empty] == 0)
 
 
-@pytest.mark.parametrize("case", ["uniform", "empty_experts", "every_tile_class"])
+@pytest.mark.parametrize(
+    "case", ["uniform", "empty_experts", "every_tile_class", "two_largest_tiles"]
+)
 def test_weight_gradient_adds_into_a_float32_accumulator(case):
     """The exchange's backward sums each slot's weight gradient into one float32 buffer
     through `existing_out`: the result is that buffer plus x^T dy per expert, experts with
