@@ -116,6 +116,28 @@ def test_multi_weights_share_one_pass_and_sum_input_gradients():
         assert_close(o, r)
 
 
+def test_tile_plan_masks_a_tail_only_where_rows_are_left_over():
+    """Each expert's rows as full tiles, largest first and each smaller class at most
+    once, then one masked tail tile only for the rows left over (under 64): an expert
+    whose rows are whole tiles, or which has none, runs no tail."""
+    from layers.grouped_matmul import tile_plan
+
+    sizes = jnp.asarray([1024 + 64, 0, 512 + 7, 63, 128], jnp.int32)
+    full, (tail, tail_E, tail_first_E), ends_E = tile_plan(sizes, (512, 256, 128, 64))
+    counts = {tile: np.asarray(count_E).tolist() for tile, count_E, _ in full}
+    assert counts == {
+        512: [2, 0, 1, 0, 0],
+        256: [0, 0, 0, 0, 0],
+        128: [0, 0, 0, 0, 1],
+        64: [1, 0, 0, 0, 0],
+    }
+    assert tail == 64
+    np.testing.assert_array_equal(tail_E, [0, 0, 1, 1, 0])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    np.testing.assert_array_equal(np.asarray(tail_first_E)[[2, 3]], starts[[2, 3]] + [512, 0])
+    np.testing.assert_array_equal(ends_E, np.cumsum(sizes))
+
+
 def test_tile_classes_never_exceed_the_rows():
     assert tile_classes(10_000) == (512, 256, 128, 64)
     # A tile as large as the array is usable: 512 rows are one 512-row tile.
