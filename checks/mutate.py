@@ -25,6 +25,7 @@ mutants it drew of how many.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import shutil
@@ -212,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.survivors and not names:
         print("no stored survivors to run again")
         return 0
-    code = subprocess.run(run + (names if named else []), cwd=work).returncode
+    # JAX's persistent compilation cache: a mutant whose programs compile to the clean
+    # run's HLO reuses them (the layers' full pass ran 15 to 25 mutants a minute with
+    # it, its seeded samples 5 to 6 without). The cache keys on the HLO, so a mutant
+    # that changes a program compiles it afresh.
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "jax-cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    code = subprocess.run(run + (names if named else []), cwd=work, env=env).returncode
     if code != 0:
         return code
     status = results(work)
