@@ -295,7 +295,7 @@ def test_ragged_rounds_send_each_real_row_once_and_never_overrun_a_slot(jax_cpu8
 
     buffer_rows = 8
     counts_G = jnp.asarray([0, 1, 8, 9, 17, 24], jnp.int32)
-    needed = int(np.ceil(int(counts_G.max()) / buffer_rows))
+    needed = math.ceil(int(counts_G.max()) / buffer_rows)
     sizes = np.stack([np.asarray(_slot_sizes(counts_G, r, buffer_rows)) for r in range(needed + 2)])
     assert sizes.dtype == np.int32
     assert sizes.min() >= 0 and sizes.max() <= buffer_rows
@@ -316,7 +316,15 @@ def test_every_device_agrees_on_enough_rounds_for_the_largest_send(jax_cpu8, mos
     from layers.expert_parallel import ExchangeGroup, rounds_needed
 
     mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Explicit,))
-    ex = ExchangeGroup(("context",), 8, ("context",), 1.0, "all_to_all", "tiled_gmm", jnp.float32)
+    ex = ExchangeGroup(
+        group_axes=("context",),
+        group_size=8,
+        count_axes=("context",),
+        buffer_factor=1.0,
+        backend="all_to_all",
+        gmm_backend="tiled_gmm",
+        dtype=jnp.float32,
+    )
     counts = np.zeros((8, 8), np.int32)  # (device, owner): what each device sends each owner
     counts[:, 3] = 1
     counts[5, 2] = most
