@@ -188,7 +188,7 @@ def _routing(group_sizes_E, ex: ExchangeGroup, local_experts: int):
 # The round count is agreed as a pmax over this many copies of it, not over a scalar:
 # XLA:GPU in jax 0.12.0.1 aborts compiling a pmax of up to 128 int32 over two mesh axes
 # of 64 GPUs (an LLVM fatal error in its Triton all-reduce kernel) and compiles 256
-# (`python -m checks.gpu_small_allreduce`). 1 KiB where 4 bytes would do, once a step.
+# (`python -m bench.gpu_small_allreduce`). 1 KiB where 4 bytes would do, once a step.
 ROUND_COUNT_LANES = 256
 
 

@@ -4,7 +4,8 @@
   function: validation runs anywhere, fast.
 - `layers` takes from `selector` only the plan's types, and never imports `checks`.
 - `checks` (compile and measure modes) may import both; the selector finds it by the
-  `moe_cp.checks` entry points (`selector.plugins`).
+  `moe_cp.checks` entry points (`selector.plugins`). It never imports `bench`: the
+  benchmarks sit above it and are not installed with the package.
 
 Every module is parsed with `ast`, so an import inside a function counts, and so does
 `importlib.import_module("...")` with a literal name.
@@ -72,7 +73,7 @@ def _dynamic_import(node: ast.Call) -> bool:
 def violations(root: Path) -> list[str]:
     """Each import that breaks a wall, as 'module imports name (why)'."""
     out = []
-    for package in ("selector", "layers"):
+    for package in ("selector", "layers", "checks"):
         for path in sorted((root / package).rglob("*.py")):
             module = module_name(path, root)
             for imported in sorted(imports_of(path, root)):
@@ -81,6 +82,8 @@ def violations(root: Path) -> list[str]:
                     out.append(f"{module} imports {imported} (the selector stays jax-free)")
                 if package == "layers" and top == "checks":
                     out.append(f"{module} imports {imported} (checks sit above the layers)")
+                if package == "checks" and top == "bench":
+                    out.append(f"{module} imports {imported} (the benchmarks sit above checks)")
                 if package == "layers" and top == "selector":
                     if imported not in PLAN_TYPES:
                         out.append(f"{module} imports {imported} (layers take only plan types)")
@@ -106,6 +109,11 @@ def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
         "layers/moe.py": "from selector import api\n",
         "layers/spec.py": "from selector import api, plan\n",
         "layers/router.py": "import selector\n",
+        "checks/__init__.py": "",
+        "checks/ok.py": "from layers import moe\nfrom selector import api\n",
+        "checks/study.py": "def main():\n    from bench.common import save\n",
+        "bench/__init__.py": "",
+        "bench/common.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +126,7 @@ def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
         "layers.moe imports selector.api (layers take only plan types)",
         "layers.router imports selector (layers take only plan types)",
         "layers.spec imports selector.api (layers take only plan types)",
+        "checks.study imports bench.common (the benchmarks sit above checks)",
     ]
 
 

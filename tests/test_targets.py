@@ -216,7 +216,7 @@ def test_target_descriptions():
 def test_the_exchange_round_count_compiles_for_64_gpus_over_two_axes():
     """The exchange agrees on its round count with a pmax of ROUND_COUNT_LANES int32
     over the token axes. On jax 0.12.0.1 XLA:GPU aborts the process compiling a smaller
-    one over two mesh axes of 64 GPUs (checks/gpu_small_allreduce.py); compiled here in a
+    one over two mesh axes of 64 GPUs (bench/gpu_small_allreduce.py); compiled here in a
     process of its own, for 64 abstract H200s as fsdp=16 x context=4."""
     import subprocess
     import sys
@@ -224,7 +224,7 @@ def test_the_exchange_round_count_compiles_for_64_gpus_over_two_axes():
     from layers.expert_parallel import ROUND_COUNT_LANES
 
     pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu extra (JAX's CUDA plugin)")
-    cmd = [sys.executable, "-m", "checks.gpu_small_allreduce", "--case", "64", "4"]
+    cmd = [sys.executable, "-m", "bench.gpu_small_allreduce", "--case", "64", "4"]
     got = subprocess.run(
         [*cmd, "fsdp,context", str(ROUND_COUNT_LANES)], capture_output=True, text=True
     )

@@ -5,7 +5,7 @@ when packing elements for LLVM struct") for a scalar pmax or psum over two mesh 
 64 H200s (16 x 4 or 8 x 8), where 16, 32 and 128 devices over two axes, and one axis of
 64, compile. jax 0.10.2 compiles every case.
 
-    python -m checks.gpu_small_allreduce            # every case, one process each
+    python -m bench.gpu_small_allreduce            # every case, one process each
 
 This project's exchanged block agreed on its round count with a scalar pmax, so on that
 stack its step for 64 H200s at cp 2 and 4 did not compile. It now takes the max over
@@ -72,7 +72,7 @@ def main() -> None:
             if a in axes
         )
         for lanes in (1, ROUND_COUNT_LANES):
-            cmd = [sys.executable, "-m", "checks.gpu_small_allreduce", "--case", str(chips)]
+            cmd = [sys.executable, "-m", "bench.gpu_small_allreduce", "--case", str(chips)]
             cmd += [str(context), ",".join(axes), str(lanes)]
             got = subprocess.run(cmd, capture_output=True, text=True)
             ok = got.returncode == 0 and "compiled" in got.stdout
