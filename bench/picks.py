@@ -1,0 +1,347 @@
+"""Do the selector's picks hold when timed? A judge set of dropless configs, fixed before
+the time model it judges changed, every candidate of each timed on 8 simulated CPU
+devices, and the selector's pick scored against the measured fastest.
+
+Each config's candidates are every placement the layers can run: megablox with the
+weights gathered, megablox exchanged over each expert group the config allows (the
+expert axes; plus the sequence axes; plus fsdp), and dense where E / k <= 16 (beyond
+that dense does E / k times the routed work and is not timed). Each is compiled once,
+then one step of each is timed per round, in rotating order, for ROUNDS rounds
+(`checks.measured.interleaved`), medians kept. The timings depend on the layers only, not
+on the selector, so they are stored once (`--time`) and the selector is scored on them
+whenever its model changes (`--score`, the default): its pick under `auto`, the measured
+fastest, the regret (the pick's median over the fastest's), whether the two are within
+the rounds' noise (the pick was faster than the fastest in at least a third of the
+rounds), and the Spearman rank correlation of estimated against measured time over the
+config's candidates.
+
+The set was written and timed before the counted time model replaced the fitted one
+(see docs/results/picks.md); it is never read for terms or tuned against.
+
+    python -m bench.picks --time     # time every config (about 30 minutes on 2 cores)
+    python -m bench.picks            # score today's selector on the stored timings
+    python -m bench.picks --check    # score, and fail unless the picks meet the bar
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from bench.common import use_cpu_devices
+
+TIMING = "--time" in sys.argv
+if __name__ == "__main__" and TIMING:
+    use_cpu_devices(8)
+
+from bench.common import arguments, load, pyplot, save, table  # noqa: E402
+
+ROUNDS = 9
+STUDY = "picks_cpu"
+DENSE_MAX_RATIO = 16  # dense is timed where E / k is at most this
+
+# (mesh, experts, top_k, sequence, emb, hidden, mode), dropless, one sequence a batch
+# shard. Fixed (and timed) before the counted time model; sizes unlike bench.decide's.
+JUDGE = [
+    ({"context": 8}, 64, 1, 2048, 64, 128, "train"),
+    ({"context": 8}, 128, 1, 1024, 96, 192, "train"),
+    ({"context": 8}, 16, 1, 4096, 160, 320, "train"),
+    ({"context": 8}, 8, 2, 8192, 160, 320, "prefill"),
+    ({"context": 8}, 32, 2, 16384, 64, 128, "train"),
+    ({"data": 8}, 8, 1, 512, 320, 640, "train"),
+    ({"data": 8}, 32, 4, 512, 96, 192, "prefill"),
+    ({"data": 8}, 128, 8, 256, 64, 128, "train"),
+    ({"fsdp": 8}, 16, 2, 1024, 160, 320, "train"),
+    ({"fsdp": 2, "context": 4}, 32, 2, 4096, 96, 192, "train"),
+    ({"fsdp": 4, "context": 2}, 64, 4, 2048, 96, 192, "train"),
+    ({"fsdp": 2, "context": 4}, 8, 2, 8192, 160, 640, "prefill"),
+    ({"fsdp": 4, "context": 2}, 16, 8, 2048, 160, 320, "prefill"),
+    ({"expert": 2, "context": 4}, 32, 1, 4096, 160, 320, "train"),
+    ({"expert": 4, "context": 2}, 64, 2, 2048, 96, 192, "train"),
+    ({"expert": 2, "context": 4}, 16, 4, 4096, 96, 384, "prefill"),
+    ({"expert": 8}, 64, 2, 512, 96, 192, "train"),
+    ({"tensor": 2, "context": 4}, 32, 2, 4096, 96, 384, "train"),
+    ({"tensor": 4, "context": 2}, 16, 4, 2048, 160, 640, "train"),
+    ({"tensor": 2, "context": 4}, 64, 1, 2048, 96, 192, "prefill"),
+    ({"context_usp_ulysses": 2, "context": 4}, 64, 2, 4096, 96, 192, "train"),
+    ({"context_usp_ulysses": 4, "data": 2}, 16, 2, 2048, 160, 320, "train"),
+    ({"context_usp_ulysses": 2, "context": 2, "fsdp": 2}, 32, 4, 4096, 96, 192, "prefill"),
+    ({"data": 2, "context": 4}, 128, 2, 2048, 64, 128, "train"),
+    ({"data": 2, "context": 4}, 8, 1, 8192, 160, 320, "train"),
+    ({"data": 4, "context": 2}, 32, 8, 1024, 96, 192, "prefill"),
+    ({"fsdp": 2, "expert": 2, "context": 2}, 64, 2, 2048, 96, 192, "train"),
+    ({"context_autoregressive": 2, "context": 4}, 16, 2, 4096, 96, 192, "prefill"),
+]
+
+# The placements tried for each config: (dispatch, exchange, expert_group).
+VARIANTS = (
+    ("megablox", "gather", "auto"),
+    ("megablox", "all_to_all", "expert"),
+    ("megablox", "all_to_all", "expert_and_sequence"),
+    ("megablox", "all_to_all", "expert_sequence_and_fsdp"),
+    ("dense", "gather", "auto"),
+)
+
+
+def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
+    """One sequence per batch shard (tokens per device = seq / cp), dropless, float32."""
+    shards = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    return [
+        "model=tiny",
+        "mesh=cpu_8",
+        "hardware=cpu",
+        "num_devices=8",
+        "ici_fsdp_parallelism=1",
+        *(f"ici_{axis}_parallelism={n}" for axis, n in mesh.items()),
+        f"num_experts={experts}",
+        f"num_experts_per_tok={top_k}",
+        f"max_target_length={seq}",
+        f"base_emb_dim={emb}",
+        f"base_moe_mlp_dim={hidden}",
+        f"per_device_batch_size={shards / 8}",
+        f"mode={mode}",
+        "capacity_factor=-1",
+        "dtype=float32",
+        "context_parallel_load_balance=false",
+    ]
+
+
+def label(point) -> str:
+    mesh, experts, top_k, seq, emb, hidden, mode = point
+    axes = ",".join(f"{a}={n}" for a, n in mesh.items())
+    return f"{mode} [{axes}] E={experts} k={top_k} seq={seq} M={emb} H={hidden}"
+
+
+def config_of(point):
+    import selector
+
+    return selector.to_config(selector.compose(overrides(*point)))
+
+
+def candidate_name(strategy: str, exchange: str, group_axes) -> str:
+    """How a placement is named here: megablox/gather, megablox/all_to_all[context],
+    dense."""
+    if strategy != "megablox":
+        return strategy
+    if exchange != "all_to_all":
+        return f"megablox/{exchange}"
+    return f"megablox/all_to_all[{'+'.join(group_axes)}]"
+
+
+def plan_name(plan) -> str:
+    return candidate_name(
+        plan.strategy.value, plan.placement.exchange.value, plan.placement.group_axes
+    )
+
+
+def variants(config) -> dict[str, object]:
+    """{name: forced config} for every distinct placement the config allows."""
+    from selector import Dispatch, Exchange, ExpertGroup
+    from selector.findings import errors_in
+    from selector.plan import analyse
+
+    out = {}
+    for strategy, exchange, group in VARIANTS:
+        if strategy == "dense" and config.num_experts > DENSE_MAX_RATIO * config.num_experts_per_tok:
+            continue
+        forced = config.replace(
+            dispatch=Dispatch(strategy),
+            expert_exchange=Exchange(exchange),
+            expert_group=ExpertGroup(group),
+        )
+        plan, findings = analyse(forced)
+        if plan is None or errors_in(findings) or plan.placement.exchange.value != exchange:
+            continue
+        out.setdefault(plan_name(plan), forced)
+    return out
+
+
+def time_point(point) -> dict:
+    """Every variant of one config timed interleaved."""
+    from checks.measured import _step, interleaved
+
+    config = config_of(point)
+    forced = variants(config)
+    fns = {name: _step(c, c.dispatch, c.expert_exchange) for name, c in forced.items()}
+    times = interleaved(fns, ROUNDS)
+    return {"label": label(point), "times_s": times}
+
+
+def estimated(point) -> dict[str, float]:
+    """Today's selector's estimated time of each variant of `point`."""
+    import selector
+
+    return {
+        name: selector.resolve(c).chosen_estimate.time_s
+        for name, c in variants(config_of(point)).items()
+    }
+
+
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation (average ranks on ties); 1 for fewer than 2 values
+    or a constant side."""
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for m in range(i, j + 1):
+                r[order[m]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return 1.0
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return 1.0 if vx == 0 or vy == 0 else cov / (vx * vy)
+
+
+def median(values) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def score(rows: list[dict]) -> list[dict]:
+    """Per config: the selector's pick, the measured fastest, the regret, whether the
+    two are within the rounds' noise, and the rank correlation."""
+    import selector
+
+    by_label = {label(p): p for p in JUDGE}
+    out = []
+    for row in rows:
+        point = by_label[row["label"]]
+        times = row["times_s"]
+        medians = {n: median(t) for n, t in times.items()}
+        est = estimated(point)
+        pick = plan_name(selector.resolve(config_of(point)))
+        fastest = min(medians, key=medians.get)
+        timed = pick in medians
+        regret = medians[pick] / medians[fastest] if timed else float("inf")
+        wins = sum(a < b for a, b in zip(times.get(pick, []), times[fastest], strict=False))
+        names = [n for n in medians if n in est]
+        out.append(
+            {
+                "config": row["label"],
+                "pick": pick,
+                "fastest": fastest,
+                "right": pick == fastest,
+                "within_noise": pick == fastest or (timed and wins >= len(times[fastest]) / 3),
+                "regret": regret,
+                "spearman": spearman([est[n] for n in names], [medians[n] for n in names]),
+                "candidates": len(medians),
+                "times_ms": ", ".join(f"{n} {medians[n] * 1e3:.3g}" for n in medians),
+                "estimated_ms": ", ".join(f"{n} {est[n] * 1e3:.3g}" for n in names),
+            }
+        )
+    return out
+
+
+def summary(decisions: list[dict]) -> dict:
+    n = len(decisions)
+    right = sum(d["right"] for d in decisions)
+    multi = [d for d in decisions if d["candidates"] > 2]
+    return {
+        "configs": n,
+        "picks_fastest": f"{right} of {n}",
+        "share": right / max(n, 1),
+        "within_noise": sum(d["within_noise"] for d in decisions),
+        "worst_regret": max((d["regret"] for d in decisions), default=1.0),
+        "median_regret": median([d["regret"] for d in decisions]) if decisions else 1.0,
+        "regret_over_1.10": sum(d["regret"] > 1.10 for d in decisions),
+        "median_spearman": median([d["spearman"] for d in multi]) if multi else 1.0,
+    }
+
+
+COLUMNS = [
+    ("config", "config"),
+    ("pick", "selector's pick"),
+    ("fastest", "measured fastest"),
+    ("regret", "regret"),
+    ("spearman", "Spearman"),
+    ("times_ms", "measured medians ms"),
+]
+SUMMARY_COLUMNS = [
+    ("picks_fastest", "pick = measured fastest"),
+    ("within_noise", "within noise"),
+    ("worst_regret", "worst regret"),
+    ("median_regret", "median regret"),
+    ("regret_over_1.10", "regret > 1.10"),
+    ("median_spearman", "median Spearman (3+ candidates)"),
+]
+BAR = {"share": 0.9, "worst_regret": 1.10}
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for d in payload["decisions"]:
+        ms = dict(part.rsplit(" ", 1) for part in d["times_ms"].split(", "))
+        es = dict(part.rsplit(" ", 1) for part in d["estimated_ms"].split(", "))
+        names = [n for n in ms if n in es]
+        ax.plot(
+            [float(ms[n]) for n in names],
+            [float(es[n]) for n in names],
+            "o-" if d["right"] else "x--",
+            color="C0" if d["right"] else "C3",
+            alpha=0.6,
+            lw=0.7,
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured median ms (8 simulated CPU devices)",
+        ylabel="estimated ms",
+        title="each config's candidates (red: pick not the fastest)",
+    )
+    fig.tight_layout()
+    return fig
+
+
+def main() -> int:
+    args = arguments(
+        STUDY,
+        __doc__,
+        plot,
+        time={"action": "store_true", "help": "time every config's candidates"},
+        check={"action": "store_true", "help": "fail unless the picks meet the bar"},
+        only={"type": int, "metavar": "N", "help": "with --time: only the first N configs"},
+    )
+    if args is None:
+        return 0
+    if args.time:
+        from bench.common import machine
+
+        rows = []
+        for i, point in enumerate(JUDGE[: args.only] if args.only else JUDGE):
+            rows.append(time_point(point))
+            said = ", ".join(
+                f"{n} {median(t) * 1e3:.3g}" for n, t in rows[-1]["times_s"].items()
+            )
+            print(f"[{i + 1}/{len(JUDGE)}] {rows[-1]['label']}: {said} ms", flush=True)
+        payload = {"rounds": ROUNDS, "machine": machine(), "rows": rows}
+    else:
+        payload = load(STUDY)
+    payload["decisions"] = score(payload["rows"])
+    payload["summary"] = summary(payload["decisions"])
+    print(table(payload["decisions"], COLUMNS))
+    print()
+    print(table([payload["summary"]], SUMMARY_COLUMNS))
+    print("wrote", *save(STUDY, payload, plot(payload)))
+    s = payload["summary"]
+    if args.check and (s["share"] < BAR["share"] or s["worst_regret"] > BAR["worst_regret"]):
+        print(f"below the bar: {BAR}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
