@@ -73,6 +73,32 @@ JUDGE = [
     ({"context_autoregressive": 2, "context": 4}, 16, 2, 4096, 96, 192, "prefill"),
 ]
 
+# A development set the model may be read against: bench.decide's held-out and boundary
+# configs (timed again here with every placement). The judge set above is not one.
+DEV = [
+    ({"data": 8}, 12, 3, 1024, 192, 384, "train"),
+    ({"context": 8}, 24, 6, 8192, 192, 384, "train"),
+    ({"data": 2, "context": 4}, 8, 8, 4096, 192, 384, "train"),
+    ({"fsdp": 2, "context": 4}, 16, 2, 8192, 192, 768, "train"),
+    ({"expert": 2, "context": 4}, 32, 8, 4096, 192, 384, "train"),
+    ({"tensor": 2, "context": 4}, 16, 4, 8192, 192, 384, "train"),
+    ({"context_usp_ulysses": 2, "context": 2, "data": 2}, 24, 3, 4096, 192, 384, "train"),
+    ({"context": 8}, 12, 6, 8192, 192, 768, "prefill"),
+    ({"fsdp": 2, "context": 4}, 48, 6, 8192, 192, 384, "prefill"),
+    ({"data": 8}, 8, 4, 1024, 384, 768, "prefill"),
+    ({"context": 8}, 64, 1, 2048, 128, 256, "train"),
+    ({"context": 8}, 128, 2, 2048, 128, 256, "train"),
+    ({"context": 8}, 64, 2, 1024, 128, 256, "prefill"),
+    ({"context": 8}, 32, 1, 4096, 128, 256, "train"),
+    ({"data": 2, "context": 4}, 64, 1, 1024, 128, 256, "train"),
+    ({"fsdp": 2, "context": 4}, 64, 2, 2048, 192, 384, "train"),
+    ({"expert": 2, "context": 4}, 128, 4, 2048, 128, 256, "train"),
+    ({"tensor": 2, "context": 4}, 64, 2, 2048, 128, 256, "train"),
+    ({"fsdp": 2, "context": 4}, 128, 8, 4096, 128, 256, "prefill"),
+    ({"context": 8}, 96, 3, 2048, 192, 384, "train"),
+]
+SETS = {"judge": (JUDGE, STUDY), "dev": (DEV, "picks_cpu_dev")}
+
 # The placements tried for each config: (dispatch, exchange, expert_group).
 VARIANTS = (
     ("megablox", "gather", "auto"),
@@ -215,7 +241,7 @@ def score(rows: list[dict]) -> list[dict]:
     two are within the rounds' noise, and the rank correlation."""
     import selector
 
-    by_label = {label(p): p for p in JUDGE}
+    by_label = {label(p): p for p in JUDGE + DEV}
     out = []
     for row in rows:
         point = by_label[row["label"]]
@@ -314,28 +340,30 @@ def main() -> int:
         time={"action": "store_true", "help": "time every config's candidates"},
         check={"action": "store_true", "help": "fail unless the picks meet the bar"},
         only={"type": int, "metavar": "N", "help": "with --time: only the first N configs"},
+        set={"choices": sorted(SETS), "default": "judge", "help": "the judge set or the dev set"},
     )
     if args is None:
         return 0
+    points, study = SETS[args.set]
     if args.time:
         from bench.common import machine
 
         rows = []
-        for i, point in enumerate(JUDGE[: args.only] if args.only else JUDGE):
+        for i, point in enumerate(points[: args.only] if args.only else points):
             rows.append(time_point(point))
             said = ", ".join(
                 f"{n} {median(t) * 1e3:.3g}" for n, t in rows[-1]["times_s"].items()
             )
-            print(f"[{i + 1}/{len(JUDGE)}] {rows[-1]['label']}: {said} ms", flush=True)
+            print(f"[{i + 1}/{len(points)}] {rows[-1]['label']}: {said} ms", flush=True)
         payload = {"rounds": ROUNDS, "machine": machine(), "rows": rows}
     else:
-        payload = load(STUDY)
+        payload = load(study)
     payload["decisions"] = score(payload["rows"])
     payload["summary"] = summary(payload["decisions"])
     print(table(payload["decisions"], COLUMNS))
     print()
     print(table([payload["summary"]], SUMMARY_COLUMNS))
-    print("wrote", *save(STUDY, payload, plot(payload)))
+    print("wrote", *save(study, payload, plot(payload)))
     s = payload["summary"]
     if args.check and (s["share"] < BAR["share"] or s["worst_regret"] > BAR["worst_regret"]):
         print(f"below the bar: {BAR}")

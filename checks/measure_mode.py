@@ -4,10 +4,9 @@ the configured shape, and a choice that follows the measured medians.
 The estimate's time is a model; a user with devices can ask for the answer. The chosen
 candidate and the others that fit (up to `MAX_TIMED`, fastest estimated first) are
 compiled and run interleaved, round after round (one step of each per round, so a
-noisy machine slows them alike), and the fastest median among those that fit wins. The
-ratios of measured to estimated time, per program, can be written
-(`measure_save=PATH`) and read back as a time calibration for this hardware
-(`time_calibration=PATH`, `selector.time_calibration`).
+noisy machine slows them alike), and the fastest median among those that fit wins.
+`measure_save=PATH` writes what was timed beside what was counted (JSON); the counted
+model never reads it back: its constants are the machine's (`python -m bench.machine`).
 
 The selector calls `check` through the `moe_cp.checks` entry point (`measure`). The
 logic here is pure; timing needs jax and the layers, imported only when the check runs
@@ -22,10 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from selector.checked import Key, MeasureCheck, MeasuredCandidate
-from selector.config import Config, Dispatch, Exchange
-from selector.cost import Estimate, program_of
+from selector.config import Config, Dispatch
+from selector.cost import Estimate
 from selector.findings import Finding, errors_in, warning
-from selector.memory_model import program_key
 from selector.plan import Candidate, DispatchPlan, analyse
 
 from .compile_mode import replan
@@ -51,10 +49,7 @@ def check(
     `time_fn(config, keys, rounds)` returns each candidate's step times, run interleaved
     on this process's devices."""
     say = progress or (lambda _: None)
-    # The estimates being checked are the model's own: a time calibration in use would
-    # make the ratios relative to itself.
-    bare = config.replace(time_calibration="")
-    plan, findings = analyse(bare, live_shape)
+    plan, findings = analyse(config, live_shape)
     if plan is None or errors_in(findings):
         return plan, findings, None
     estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
@@ -66,10 +61,8 @@ def check(
     keys = [first, *others][:MAX_TIMED]
     names = ", ".join(estimates[k].name for k in keys)
     say(f"timing {names} on {plan.mesh.num_devices} devices, {config.measure_rounds} rounds ...")
-    times = (time_fn or _default_time)(bare, keys, config.measure_rounds)
-    measured = {
-        k: MeasuredCandidate(estimates[k], _program(bare, k), tuple(times[k])) for k in keys
-    }
+    times = (time_fn or _default_time)(config, keys, config.measure_rounds)
+    measured = {k: MeasuredCandidate(estimates[k], tuple(times[k])) for k in keys}
     for c in measured.values():
         say(f"  {c.name}: median {c.median * 1e3:.3g} ms ({c.estimate.time_s * 1e3:.3g} estimated)")
     fastest = min(measured, key=lambda k: measured[k].median)
@@ -77,7 +70,7 @@ def check(
         f"measured fastest on {plan.mesh.num_devices} devices: {measured[fastest].name} "
         f"{measured[fastest].median * 1e3:.3g} ms (median of {config.measure_rounds})"
     )
-    new_plan, new_findings = replan(bare, live_shape, plan, fastest, reason)
+    new_plan, new_findings = replan(config, live_shape, plan, fastest, reason)
     if fastest != first:
         new_findings = [*new_findings, _differs(plan, measured, first, fastest)]
     new_plan = dataclasses.replace(
@@ -93,8 +86,8 @@ def check(
         measured=tuple(measured.values()),
     )
     if config.measure_save:
-        Path(config.measure_save).write_text(json.dumps(result.calibration(), indent=1) + "\n")
-        say(f"wrote the time calibration {config.measure_save}")
+        Path(config.measure_save).write_text(json.dumps(result.as_dict(), indent=1) + "\n")
+        say(f"wrote the timings {config.measure_save}")
     return new_plan, new_findings, result
 
 
@@ -118,11 +111,6 @@ def timeable(config: Config, key: Key) -> bool:
     return not errors_in(found)
 
 
-def _program(config: Config, key: Key) -> str:
-    strategy, exchange = key
-    return program_of(program_key(strategy, exchange or Exchange.gather, config))
-
-
 def _differs(plan: DispatchPlan, measured, first: Key, fastest: Key) -> Finding:
     a, b = measured[first], measured[fastest]
     return warning(
@@ -131,6 +119,7 @@ def _differs(plan: DispatchPlan, measured, first: Key, fastest: Key) -> Finding:
         f"Timed on {plan.mesh.num_devices} devices, the estimate's choice {a.name} took "
         f"{a.median * 1e3:.3g} ms a step (estimated {a.estimate.time_s * 1e3:.3g}) and "
         f"{b.name} {b.median * 1e3:.3g} ms (estimated {b.estimate.time_s * 1e3:.3g}): the "
-        f"choice follows the measurement ({b.name}). Save the ratios with measure_save=PATH "
-        "and pass time_calibration=PATH to price this hardware as measured.",
+        f"choice follows the measurement ({b.name}). On a machine whose constants the "
+        "hardware preset does not hold, measure them (python -m bench.machine) and give "
+        "them as hardware.* overrides.",
     )

@@ -143,7 +143,6 @@ class MeasuredCandidate:
     """One candidate as estimated and as timed (seconds per step, every round)."""
 
     estimate: Estimate
-    program: str  # `{mode} {program}`: what a time calibration keys its ratio by
     times: tuple[float, ...]
 
     @property
@@ -162,8 +161,8 @@ class MeasuredCandidate:
     def as_dict(self) -> dict:
         return {
             "name": self.name,
-            "program": self.program,
             "estimated_s": self.estimate.time_s,
+            "estimated_parts_s": self.estimate.time_parts.as_dict(),
             "median_s": self.median,
             "times_s": list(self.times),
             "ratio": self.ratio,
@@ -178,16 +177,6 @@ class MeasureCheck(Recheck):
     hardware: str = ""
     devices: int = 0
     measured: tuple[MeasuredCandidate, ...] = ()
-
-    def calibration(self) -> dict:
-        """The time calibration these measurements give (see selector.time_calibration):
-        each program's measured / estimated ratio, the estimates taken without one."""
-        return {
-            "hardware": self.hardware,
-            "devices": self.devices,
-            "ratios": {c.program: c.ratio for c in self.measured},
-            "measured": [c.as_dict() for c in self.measured],
-        }
 
     def as_dict(self) -> dict:
         return {

@@ -91,19 +91,47 @@ class OutputFormat(str, enum.Enum):
 
 @dataclass
 class Hardware:
-    """One accelerator chip, as the cost model sees it."""
+    """One accelerator chip and the constants the counted time model prices with
+    (`selector.timing`). conf/hardware/ cites each: measured on CPU (`bench.machine`),
+    the vendor's published figure on TPU and GPU. A per-op constant nobody publishes is
+    None there and not counted (`uncounted` names them)."""
 
     name: str = "cpu"
     platform: str = "cpu"  # cpu | gpu | tpu: picks the grouped-matmul backend
     memory_gib: float = 16.0  # per device
-    peak_bf16_tflops: float = 1.0  # per device
+    matmul_tflops: float = 1.0  # a device's dense matmul peak in the compute dtype
+    # [MFLOPs a dot, TFLOP/s]: the rate a device sustains by a dot's size, measured
+    # (empty: every dot at matmul_tflops): plain dots, the grouped matmul's tile visits
+    # (tiled_gmm), and the dense and capacity paths' einsums batched over experts.
+    matmul_curve: list[list[float]] = field(default_factory=list)
+    gmm_curve: list[list[float]] = field(default_factory=list)
+    einsum_curve: list[list[float]] = field(default_factory=list)
     hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
+    gather_gbps: float = 0.0  # rows moved by gathers and scatters, GB/s (0: the HBM's)
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
+    # Per-op costs (microseconds); None where the preset has no figure (not counted).
+    collective_latency_us: float | None = None  # a collective's cost beyond its bytes
+    launch_us: float | None = None  # an op's cost beyond its work
+    loop_trip_us: float | None = None  # a while loop's cost a trip beyond its ops
+    call_us: float | None = None  # a program's cost a call beyond its ops
+    source: str = ""  # where the constants come from
     # The jax release whose compiler the memory count follows (its XLA:GPU holds less
     # in the gathered programs from 0.12 on): auto reads the jax installed here, the one
     # compile=true compiles with, without importing it; or a version such as 0.10.2.
     jax_version: str = "auto"
+
+    @property
+    def uncounted(self) -> tuple[str, ...]:
+        """The per-op constants this preset has no figure for (None): what its times
+        leave out until a chip measures them (`python -m bench.on_device`)."""
+        names = {
+            "collective_latency_us": "collective latency",
+            "launch_us": "op launches",
+            "loop_trip_us": "loop trips",
+            "call_us": "the call",
+        }
+        return tuple(text for key, text in names.items() if getattr(self, key) is None)
 
 
 @dataclass
@@ -250,15 +278,10 @@ class Config:
     compile: bool = False
     # Time the top candidates on this process's devices at the configured shape
     # (interleaved rounds, medians) and choose the measured fastest (selector.measure_check);
-    # measure_save writes the measured / estimated time ratios as a time calibration for
-    # the hardware, which time_calibration reads back into the estimates.
-    # Price time with the constants fitted on timed programs (selector/time_model.json,
-    # bench.decide); false: the cost model's raw compute, HBM and network terms.
-    time_model: bool = True
+    # measure_save writes each timed candidate's measured and counted time as JSON.
     measure: bool = False
     measure_rounds: int = 5
     measure_save: str = ""
-    time_calibration: str = ""
     output: OutputFormat = OutputFormat.text
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)

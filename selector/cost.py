@@ -16,12 +16,12 @@ against `memory_analysis()`:
 Beside the one block, `state_bytes` is what every MoE layer of the model holds at rest
 on a device: weights, gradients and optimizer state (`optimizer_bytes_per_param`).
 
-Time = FLOPs / peak + HBM bytes / HBM bandwidth + network bytes / link bandwidth.
-HBM bytes count the activations and the weights each pass reads (decode is bound by
-them: a grouped matmul reads only the experts its tokens chose, dense reads all);
-network bytes count the weight all-gather and gradient reduce-scatter (gathered), or
-the routed rows there and back (exchanged), and the gradient all-reduce over devices
-that hold the same weight shard.
+Time is counted (selector.timing): the dots, bytes, collectives and ops the program
+does, priced by the machine's constants. HBM bytes count the activations and the
+weights each pass reads (decode is bound by them: a grouped matmul reads only the
+experts its tokens chose, dense reads all); network bytes count the weight all-gather
+and gradient reduce-scatter (gathered), or the routed rows there and back (exchanged),
+and the gradient all-reduce over devices that hold the same weight shard.
 
 XLA:CPU converts part of a bfloat16 program to float32 (seen in the compiled programs:
 bf16 weights are all-gathered and multiplied as f32, while many activations stay bf16),
@@ -34,14 +34,13 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
-from . import time_calibration
 from .config import Config, Dispatch, Exchange, Mode
 from .memory_model import (
     ROUTER_BYTES,
     HeldBuffers,
     held_buffers,
     jax_release,
-    program_key,
+    routed_weight_elements,
     temp_bytes,
 )
 from .mesh import MeshView
@@ -51,7 +50,6 @@ from .plan_sizes import GmmTiling
 from .problem import (
     DeviceProblem,
     buffer_rows,
-    compute_weight_elements,
     exchange_split,
     link_split,
     problem_shape,
@@ -59,7 +57,7 @@ from .problem import (
 )
 from .step_memory import StepMemory, step_memory
 from .tiling import TileOption
-from .time_model import fitted_parts
+from .timing import TimeParts, Work, count_work, price
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ class Estimate:
     traffic: Traffic
     rounds: int  # expected exchange rounds (1 when gathered)
     time_s: float
-    time_parts: tuple[float, float, float]  # compute, HBM, network seconds
+    time_parts: TimeParts  # compute, memory, network and overhead seconds
     fits: bool
 
     input_bytes: float  # the block's input (and its gradient) per device
@@ -132,6 +130,7 @@ class Estimate:
     # tile priced (selector.tiling); `rows` is counted at the chosen tile.
     tiling: GmmTiling | None = None
     tile_options: tuple[TileOption, ...] = ()
+    work: Work | None = None  # what the time counts (selector.timing)
 
     @property
     def block_transient(self) -> float:
@@ -175,6 +174,9 @@ class Estimate:
         d["traffic"]["weights_bytes"] = self.traffic.weights_bytes
         d["traffic"]["rows_bytes"] = self.traffic.rows_bytes
         d["tile_options"] = [{**asdict(o), "time_s": o.time_s} for o in self.tile_options]
+        d["time_parts"] = self.time_parts.as_dict()
+        if self.work is not None:
+            d["work"] = {**asdict(self.work), "flops": self.work.flops}
         return d
 
 
@@ -187,15 +189,6 @@ def expected_rounds(p: DeviceProblem, num_devices: int) -> int:
     sigma = math.sqrt(mean * (1 - 1 / p.group))
     z = math.sqrt(2 * math.log(num_devices * p.group))  # group >= 2: the log is >= ln 4
     return max(1, math.ceil((mean + z * sigma) / buffer_rows(p) - 1e-9))
-
-
-def forward_flops(strategy: Dispatch, p: DeviceProblem) -> float:
-    ffn = 6 * rows(strategy, p) * p.M * p.H  # three matmuls of 2*M*H each
-    router = 0 if strategy is Dispatch.mlp else 2 * p.T * p.M * p.E
-    # Dispatch and combine einsums over the (S, E, C) mask.
-    einsums = 4 * p.T * p.E * p.C * p.M if strategy is Dispatch.subgroup_capacity else 0
-    shared = 6 * p.T * p.M * p.Hs  # every token through the shared experts
-    return ffn + router + einsums + shared
 
 
 def routed_rest_bytes(p: DeviceProblem) -> float:
@@ -218,11 +211,10 @@ def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)
 
 
-def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
-    """Expert-weight bytes one step reads from HBM: every expert for dense; for the
-    routed paths only the experts that receive a row (expected, uniform routing)."""
+def routed_weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
+    """Routed-expert weight bytes one step reads from HBM: every expert for dense; for
+    the routed paths only the experts that receive a row (expected, uniform routing)."""
     per_expert = 3 * p.M * p.H * p.xb
-    shared = 3 * p.M * p.Hs * p.xb * p.passes
     if strategy is Dispatch.dense:
         hit = p.E_c
     elif strategy is Dispatch.mlp:
@@ -230,7 +222,32 @@ def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
     else:
         tokens = p.T * p.group  # an owner serves the rows of its whole group
         hit = p.E_c * (1 - (1 - p.k / p.E) ** tokens)
-    return hit * per_expert * p.passes + shared
+    return hit * per_expert * p.passes
+
+
+def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
+    """Expert-weight bytes one step reads from HBM: the routed experts' and the shared
+    experts' (every pass)."""
+    return routed_weights_read(strategy, p) + 3 * p.M * p.Hs * p.xb * p.passes
+
+
+def routed_row_bytes(p: DeviceProblem) -> float:
+    """Bytes of the routed rows one forward pass writes through the grouped matmul: the
+    rows in, their two hidden products and the product of them, the rows out."""
+    return p.T * p.k * (2 * p.M + 3 * p.H) * p.xb
+
+
+def memory_bytes(strategy: Dispatch, p: DeviceProblem, moved: Traffic) -> float:
+    """HBM bytes a step moves. Under the Pallas kernels the grouped matmul's share is
+    the kernels' own count of what their grids move at the chosen row tile (rows and
+    weight blocks fetched again for every tile that needs them, `selector.tiles`),
+    in place of the routed rows' write and read and the routed weights read once a
+    pass."""
+    option = next((o for o in p.tile_options if o.tm == p.tile), None)
+    if strategy is not Dispatch.megablox or p.kernel != "pallas_megablox" or option is None:
+        return moved.hbm
+    routed = 2 * routed_row_bytes(p) * p.passes + routed_weights_read(strategy, p)
+    return moved.hbm - routed + option.hbm_bytes
 
 
 def activation_traffic(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
@@ -246,9 +263,8 @@ def activation_traffic(strategy: Dispatch, exchange: Exchange, p: DeviceProblem)
         return p.T * (3 * p.H) * p.xb + out
     out += p.T * p.E * ROUTER_BYTES
     if strategy is Dispatch.megablox:
-        routed = p.T * p.k
-        moved = 2 * routed * p.M * p.xb if exchange is Exchange.all_to_all else 0.0
-        return routed * (2 * p.M + 3 * p.H) * p.xb + moved + out
+        moved = 2 * p.T * p.k * p.M * p.xb if exchange is Exchange.all_to_all else 0.0
+        return routed_row_bytes(p) + moved + out
     if strategy is Dispatch.dense:
         return p.T * p.E_c * (3 * p.H + p.M) * p.xb + out
     return p.G * p.E * p.C * (2 * p.M + 3 * p.H) * p.xb + out  # subgroup_capacity
@@ -267,9 +283,15 @@ def traffic(
     `activations`: the bytes of activations one forward pass writes
     (`activation_traffic`)."""
     hbm = 2 * activations * p.passes + weights_read(strategy, p)
-    w_compute = compute_weight_elements(strategy, p) * p.xb
     trips = 2 if p.train else 1  # gather in; reduce-scatter the gradient out
-    gather = link_split(w_compute * (1 - 1 / p.gathered) * trips, p.gathered, p.gathered_dcn)
+    routed = routed_weight_elements(strategy, p) * p.xb
+    # The shared experts (compute dtype) and the router kernel (float32) are gathered
+    # over their own axes, which differ from the routed experts' when the expert group
+    # holds the fsdp axes.
+    shared = 3 * p.M * p.Hs * p.xb + p.M * p.E * ROUTER_BYTES * (strategy is not Dispatch.mlp)
+    gather = link_split(routed * (1 - 1 / p.gathered) * trips, p.gathered, p.gathered_dcn)
+    more = link_split(shared * (1 - 1 / p.gate_shards) * trips, p.gate_shards, p.gate_dcn)
+    gather = (gather[0] + more[0], gather[1] + more[1])
     moved = (0.0, 0.0)
     if exchange is Exchange.all_to_all:
         sent = p.T * p.k if p.ragged else p.group * buffer_rows(p) * rounds
@@ -297,20 +319,6 @@ def state_bytes(cfg: Config, p: DeviceProblem, weights_rest: float) -> float:
     return per_layer * max(cfg.num_moe_layers, 1)
 
 
-def time_factor(cfg: Config, key: str) -> float:
-    """Measured over estimated time for the program of calibration `key` (1 without a
-    time calibration, or with one that cannot be used: TIME_CALIBRATION_INVALID says so)."""
-    try:
-        return time_calibration.scale(cfg.time_calibration, cfg.hardware.name, program_of(key))
-    except time_calibration.TimeCalibrationError:
-        return 1.0
-
-
-def program_of(key: str) -> str:
-    """`{mode} {program}` of a calibration key (`tpu train megablox` -> `train megablox`)."""
-    return key.split(" ", 1)[1]
-
-
 def estimate(
     strategy: Dispatch,
     place: WeightPlacement,
@@ -321,7 +329,6 @@ def estimate(
     p = problem_shape(cfg, mesh, dev, place)
     rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    key = program_key(strategy, place.exchange, cfg)
     held = held_buffers(
         strategy, place.exchange, p, cfg.hardware.platform, jax_release(cfg.hardware.jax_version)
     )
@@ -329,21 +336,8 @@ def estimate(
     written = activation_traffic(strategy, place.exchange, p)
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
     hw = cfg.hardware
-    # Training's backward runs each expert matmul twice more (input gradient, weight
-    # gradient) over the same tiles: Pallas's gmm walks the forward's tiles again and
-    # tgmm only adds visits to empty groups, which skip the dot; tiled_gmm's weight
-    # gradient walks the forward's tile plan per expert (selector.tiles).
-    flops = forward_flops(strategy, p) * p.passes
-    parts = (
-        flops / (hw.peak_bf16_tflops * 1e12),
-        moved.hbm / (hw.hbm_bandwidth_gbps * 1e9),
-        moved.ici / (hw.ici_bandwidth_gbps * 1e9) + moved.dcn / (hw.dcn_bandwidth_gbps * 1e9),
-    )
-    if cfg.time_model:  # constants fitted on timed programs (bench.decide)
-        parts = fitted_parts(key, parts)
-    # A time calibration measured on this hardware (measure_save) scales the model's time.
-    factor = time_factor(cfg, key)
-    parts = tuple(t * factor for t in parts)
+    work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
+    parts = price(work, hw)
     state = state_bytes(cfg, p, rest)
     layers = max(cfg.num_moe_layers, 1)
     relaid = routed_rest_bytes(p) if relaid_for_gather(cfg, mesh, place) else 0.0
@@ -351,19 +345,20 @@ def estimate(
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,
-        flops=flops,
+        flops=work.flops,
         rows=rows(strategy, p),
         memory=memory,
         state_bytes=state,
         traffic=moved,
         rounds=rounds,
-        time_s=sum(parts),
+        time_s=parts.total,
         time_parts=parts,
         fits=True,
         input_bytes=p.T * p.M * p.xb,
         step=step,
         tiling=p.tiling if strategy is Dispatch.megablox and not p.gmm_dense else None,
         tile_options=p.tile_options if strategy is Dispatch.megablox else (),
+        work=work,
     )
     return with_memory(est, memory, hw.memory_gib)
 
@@ -403,6 +398,5 @@ __all__ = [
     "estimate",
     "held_buffers",
     "problem_shape",
-    "program_key",
     "with_memory",
 ]

@@ -187,9 +187,10 @@ def temp_bytes(held: HeldBuffers, cfg: Config) -> float:
 
 
 def program_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:
-    """`{family} {mode} {program}` (for example `tpu train megablox_exchanged`): the key
-    of the time model's constants (selector.time_model). XLA:CPU at half precision is
-    a family of its own there (it converts part of such a program to float32)."""
+    """`{family} {mode} {program}` (for example `tpu train megablox_exchanged`): which
+    program a candidate compiles to, as the studies group compiled points. XLA:CPU at
+    half precision is a family of its own (it converts part of such a program to
+    float32)."""
     if strategy is Dispatch.mlp:
         base = "dense"
     elif strategy is Dispatch.megablox and exchange is Exchange.all_to_all:

@@ -34,6 +34,9 @@ class WeightPlacement:
     # and the fsdp axes folded into the group (which split every expert by expert, but
     # these weights, held by every device, still by their embedding dim).
     shared_embed_axes: tuple[str, ...] = ()
+    # The expert_group that gives this placement (auto when gathered): what re-planning
+    # at another input shape asks for, so the weights stay where they rest.
+    group: ExpertGroup = ExpertGroup.auto
 
     def as_dict(self) -> dict:
         return {
@@ -45,6 +48,7 @@ class WeightPlacement:
             "folded_axes": list(self.folded_axes),
             "shared_embed_axes": list(self.shared_embed_axes),
             "experts_per_device": self.experts_per_device,
+            "expert_group": self.group.value,
         }
 
 
@@ -121,6 +125,10 @@ def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:
     """Weights rest on the expert group (E / group experts each) and rows are exchanged."""
     group = exchange_group(cfg, mesh)
     size, num_experts = mesh.product(group.axes), cfg.num_experts
+    if group.fsdp:
+        named = ExpertGroup.expert_sequence_and_fsdp
+    else:
+        named = ExpertGroup.expert_and_sequence if group.folded else ExpertGroup.expert
     return WeightPlacement(
         exchange=Exchange.all_to_all,
         experts_axes=group.axes,
@@ -132,7 +140,28 @@ def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:
         shared_embed_axes=_present(
             mesh, tuple(a for a in mesh.embed_axes if a not in group.axes or a in group.fsdp)
         ),
+        group=named,
     )
+
+
+# The expert groups auto weighs, each as the layers build it.
+GROUPS = (ExpertGroup.expert, ExpertGroup.expert_and_sequence, ExpertGroup.expert_sequence_and_fsdp)
+
+
+def expert_groups(cfg: Config, mesh: MeshView) -> tuple[WeightPlacement, ...]:
+    """The exchanged placements to weigh: the configured expert_group's, and with
+    expert_group=auto every other distinct group the layers can run (the expert axes;
+    with the sequence axes; with fsdp too). A group of no device, or whose devices do
+    not split num_experts evenly, is left out; () when none is left."""
+    asked = [exchanged(cfg, mesh)]
+    if cfg.expert_group is ExpertGroup.auto:
+        asked += [exchanged(cfg.replace(expert_group=group), mesh) for group in GROUPS]
+    options: list[WeightPlacement] = []
+    for place in asked:
+        seen = {p.group_axes for p in options}
+        if place.group_axes and place.experts_per_device and place.group_axes not in seen:
+            options.append(place)
+    return tuple(options)
 
 
 def _present(mesh: MeshView, axes) -> tuple[str, ...]:

@@ -13,16 +13,29 @@ from .cost import Estimate, estimate
 from .findings import Finding, Fix, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
 from .per_device import PerDevice, per_device
-from .placement import WeightPlacement, describe
-from .policy import candidates_for, choose, exchange_backend, exchange_candidates, gmm_backend
+from .placement import WeightPlacement, describe, expert_groups
+from .policy import (
+    best_group,
+    candidates_for,
+    choose,
+    exchange_backend,
+    exchange_candidates,
+    gmm_backend,
+)
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One (dispatch, exchange) the plan weighed: its estimate at the placement that
+    won among the expert groups weighed (`groups`: each group's placement and
+    estimate, the winner included; empty when only one placement was possible), the
+    verdict and whether it was chosen."""
+
     estimate: Estimate
     placement: WeightPlacement
     verdict: str
     chosen: bool
+    groups: tuple[tuple[WeightPlacement, Estimate], ...] = ()
 
     @property
     def strategy(self) -> Dispatch:
@@ -120,6 +133,7 @@ class DispatchPlan:
             max_target_length=self.config.max_target_length if decode else seq,
             dispatch=self.strategy,
             expert_exchange=self.placement.exchange,
+            expert_group=self.placement.group,
             allow_local_batch_inflation=True,
         )
 
@@ -244,30 +258,38 @@ def _with_device_note(fix_, est: Estimate | None):
     return dataclasses.replace(fix_, note=f"{fix_.note}; {held}" if fix_.note else held)
 
 
-def _placements(cfg: Config, mesh: MeshView) -> dict[tuple[Dispatch, Exchange], WeightPlacement]:
-    """Every (dispatch, exchange) candidate and where its weights would rest."""
+def _placements(
+    cfg: Config, mesh: MeshView
+) -> dict[tuple[Dispatch, Exchange], tuple[WeightPlacement, ...]]:
+    """Every (dispatch, exchange) candidate and where its weights could rest (every
+    expert group auto weighs, for an exchange)."""
     return {
-        (s, ex): place
+        (s, ex): expert_groups(cfg, mesh) if ex is Exchange.all_to_all else (place,)
         for s in candidates_for(cfg)
         for ex, place in exchange_candidates(cfg, mesh, s).items()
     }
 
 
 def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estimate] | None:
-    """The same config with the fsdp devices holding experts instead (in each tier, ici
-    and dcn: the expert axis grown by fsdp's part there, fsdp set to 1), and what the
-    selector would choose there; None when there is no such split or it has errors.
-    Configs only: a live mesh is what it is."""
-    if live_shape is not None or mesh.size("fsdp") <= 1:
+    """A config whose experts rest split by expert over the devices that now gather
+    them, and what the selector would choose there; None when there is none or it has
+    errors. With expert_exchange=gather asked for, the same mesh with the exchange
+    weighed (auto weighs the fsdp devices as an expert group); otherwise the fsdp
+    devices moved to the expert axis (in each tier, ici and dcn: the expert axis grown
+    by fsdp's part there, fsdp set to 1), configs only: a live mesh is what it is."""
+    overrides: dict = {}
+    if cfg.expert_exchange is Exchange.gather:
+        overrides["expert_exchange"] = Exchange.auto
+    elif live_shape is not None or mesh.size("fsdp") <= 1:
         return None
-    dcn = {a: mesh.dcn_product((a,)) for a in ("fsdp", "expert")}
-    ici = {a: mesh.size(a) // dcn[a] for a in dcn}
-    overrides = {}
-    for tier, sizes in (("ici", ici), ("dcn", dcn)):
-        if sizes["fsdp"] > 1:
-            overrides[f"{tier}_fsdp_parallelism"] = 1
-            overrides[f"{tier}_expert_parallelism"] = sizes["fsdp"] * sizes["expert"]
-    plan, findings = _analyse(cfg.replace(**overrides), None)
+    else:
+        dcn = {a: mesh.dcn_product((a,)) for a in ("fsdp", "expert")}
+        ici = {a: mesh.size(a) // dcn[a] for a in dcn}
+        for tier, sizes in (("ici", ici), ("dcn", dcn)):
+            if sizes["fsdp"] > 1:
+                overrides[f"{tier}_fsdp_parallelism"] = 1
+                overrides[f"{tier}_expert_parallelism"] = sizes["fsdp"] * sizes["expert"]
+    plan, findings = _analyse(cfg.replace(**overrides), live_shape)
     if plan is None or errors_in(findings):
         return None
     return overrides, plan.chosen_estimate
@@ -298,10 +320,16 @@ def _analyse(
     for rule in (*rules.LAYOUT_RULES, *rules.MODEL_LAYOUT_RULES):
         findings += rule(cfg, mesh, dev)
 
-    placements = _placements(cfg, mesh)
-    if not placements:  # nothing can honour expert_exchange: gather, and say so below
-        placements = _placements(cfg.replace(expert_exchange=Exchange.gather), mesh)
-    estimates = {k: estimate(k[0], place, cfg, mesh, dev) for k, place in placements.items()}
+    options = _placements(cfg, mesh)
+    if not options:  # nothing can honour expert_exchange: gather, and say so below
+        options = _placements(cfg.replace(expert_exchange=Exchange.gather), mesh)
+    weighed = {
+        k: tuple((place, estimate(k[0], place, cfg, mesh, dev)) for place in places)
+        for k, places in options.items()
+    }
+    placements, estimates = {}, {}
+    for k, pairs in weighed.items():
+        placements[k], estimates[k] = best_group(pairs)
     (strategy, exchange), reason, verdicts = choose(cfg, estimates)
     chosen = estimates[(strategy, exchange)]
     findings += rules.capacity_settings(cfg, dev, strategy)
@@ -322,7 +350,13 @@ def _analyse(
         mesh=mesh,
         per_device=dev,
         candidates=tuple(
-            Candidate(est, placements[k], verdicts[k], k == (strategy, exchange))
+            Candidate(
+                est,
+                placements[k],
+                verdicts[k],
+                k == (strategy, exchange),
+                weighed[k] if len(weighed[k]) > 1 else (),
+            )
             for k, est in estimates.items()
         ),
         findings=tuple(findings),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .config import Config, Dispatch, Exchange
 from .cost import Estimate
 from .mesh import MeshView
-from .placement import WeightPlacement, exchanged, gathered
+from .placement import WeightPlacement, expert_groups, gathered
 from .problem import gmm_backend as gmm_backend
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
@@ -49,9 +49,9 @@ def exchange_candidates(
     axes form it)."""
     options = {Exchange.gather: gathered(mesh, cfg.num_experts)}
     if strategy is Dispatch.megablox:
-        ep = exchanged(cfg, mesh)
-        if ep.group_axes and ep.experts_per_device:
-            options[Exchange.all_to_all] = ep
+        groups = expert_groups(cfg, mesh)
+        if groups:
+            options[Exchange.all_to_all] = groups[0]
     if cfg.expert_exchange in options:
         return {cfg.expert_exchange: options[cfg.expert_exchange]}
     if cfg.expert_exchange is not Exchange.auto and cfg.dispatch is Dispatch.auto:
@@ -59,15 +59,24 @@ def exchange_candidates(
     return options
 
 
+def best_group(pairs) -> tuple[WeightPlacement, Estimate]:
+    """Of (placement, estimate) pairs for one candidate (its expert groups), the one to
+    run: the fastest estimated that fits, else the one holding the least."""
+    fitting = [pair for pair in pairs if pair[1].fits]
+    if fitting:
+        return min(fitting, key=lambda pair: pair[1].time_s)
+    return min(pairs, key=lambda pair: pair[1].device_bytes)
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.3g} GiB"
 
 
 def _why_faster(est: Estimate) -> str:
-    compute, hbm, network = est.time_parts
+    t = est.time_parts
     return (
-        f"{est.time_s * 1e3:.3g} ms: compute {compute * 1e3:.3g}, HBM {hbm * 1e3:.3g}, "
-        f"network {network * 1e3:.3g}"
+        f"{est.time_s * 1e3:.3g} ms: compute {t.compute * 1e3:.3g}, memory {t.memory * 1e3:.3g}, "
+        f"network {t.network * 1e3:.3g}, overhead {t.overhead * 1e3:.3g}"
     )
 
 

@@ -72,6 +72,7 @@ class DeviceProblem:
     # within a slice, over ICI): the weights' gather, the exchange's group, the devices
     # that sum the same gradient shard, and the hidden axes' all-reduce of the output.
     gathered_dcn: int = 1
+    gate_dcn: int = 1  # of the shared experts' and router's gather
     group_dcn: int = 1
     replicas_dcn: int = 1
     hidden_shards: int = 1
@@ -113,6 +114,7 @@ def problem_shape(
         gathered=gathered,
         rest_shards=rest,
         gate_shards=mesh.product(place.shared_embed_axes),
+        gate_dcn=mesh.dcn_product(place.shared_embed_axes),
         replicas=max(1, mesh.num_devices // rest),
         xb=xb,
         pb=DTYPE_BYTES.get(cfg.param_dtype, 4),
@@ -147,7 +149,7 @@ def with_tiling(cfg: Config, p: DeviceProblem) -> DeviceProblem:
     )
     hw = cfg.hardware
     tiling, options = choose_tiling(
-        p.kernel, shape, cfg.gmm_row_tile, hw.peak_bf16_tflops * 1e12, hw.hbm_bandwidth_gbps * 1e9
+        p.kernel, shape, cfg.gmm_row_tile, hw.matmul_tflops * 1e12, hw.hbm_bandwidth_gbps * 1e9
     )
     tile = tiling.tm if p.kernel == "pallas_megablox" else p.tile
     return dataclasses.replace(p, tile=tile, tiling=tiling, tile_options=options)
@@ -214,10 +216,3 @@ def rows(strategy: Dispatch, p: DeviceProblem) -> float:
     if strategy is Dispatch.dense:
         return p.T * p.E
     return p.G * p.E * p.C  # subgroup_capacity
-
-
-def compute_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
-    """Elements of the expert weights a device computes with (its hidden slice),
-    shared experts included."""
-    experts = 1 if strategy is Dispatch.mlp else p.E_c
-    return experts * 3 * p.M * p.H + 3 * p.M * p.Hs

@@ -12,6 +12,7 @@ from .findings import Finding, errors_in
 from .per_device import is_whole
 from .plan import DispatchPlan
 from .step_memory import STEP_PARTS
+from .timing import priced_by
 
 
 def _n(x: float) -> str:
@@ -179,6 +180,7 @@ def render_text(
             ),
             _wrap(f"why: {plan.reason}", "  "),
             *_tile_lines(plan),
+            *render_time(cfg, plan),
             *(
                 [f"  compiles for: {plan.target} (selector.targets; python -m bench.targets)"]
                 if plan.target
@@ -206,6 +208,42 @@ def render_text(
         else f"OK: no errors, {n_warn} warning(s)",
     ]
     return "\n".join(lines)
+
+
+def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
+    """Each candidate's counted time by part, what it counted, and the constants that
+    priced it; the expert groups an exchange weighed."""
+    lines = [
+        "",
+        "Time, counted (ms: compute + memory + network + overhead; selector.timing)",
+    ]
+    for c in plan.candidates:
+        e, w = c.estimate, c.estimate.work
+        t = e.time_parts
+        lines.append(
+            f"{'*' if c.chosen else ' '} {c.name:<21} {e.time_s * 1e3:>8.3g} = "
+            f"{t.compute * 1e3:.3g} + {t.memory * 1e3:.3g} + {t.network * 1e3:.3g} + "
+            f"{t.overhead * 1e3:.3g}"
+        )
+        lines.append(
+            _wrap(
+                f"{w.flops / 1e9:,.4g} GFLOP in {w.dot_count:,.0f} dots; "
+                f"{w.memory_bytes / 1e9:.3g} GB through memory, {w.gather_bytes / 1e9:.3g} GB "
+                f"gathered; {w.collectives:,.0f} collectives, {w.ici_bytes / 1e9:.3g} GB over "
+                f"ICI, {w.dcn_bytes / 1e9:.3g} GB over DCN; {w.ops:,.0f} other ops, "
+                f"{w.loop_trips:,.0f} loop trips",
+                "      ",
+            )
+        )
+        if c.groups:
+            weighed = ", ".join(
+                f"{'+'.join(p.group_axes)} {est.time_s * 1e3:.3g} ms"
+                + ("" if est.fits else " (does not fit)")
+                for p, est in c.groups
+            )
+            lines.append(_wrap(f"expert groups weighed: {weighed}", "      "))
+    lines.append(_wrap(f"priced by {cfg.hardware.name}: {priced_by(cfg.hardware)}", "  "))
+    return lines
 
 
 def _tile_lines(plan: DispatchPlan) -> list[str]:

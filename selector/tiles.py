@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from .plan_sizes import pallas_kn_tile
 
@@ -96,6 +97,44 @@ def tiled_gmm_rows(group_sizes: Sequence[int], array_rows: int) -> int:
             used += count * tile
         computed += used + (classes[-1] if size > used else 0)
     return computed
+
+
+@dataclass(frozen=True)
+class TiledVisits:
+    """How tiled_gmm walks one call (`layers.grouped_matmul.tile_plan`): the tiles its
+    row loops visit, and what its weight gradient's per-expert loop visits."""
+
+    classes: tuple[int, ...]  # the tile classes of the array, largest first
+    tiles: tuple[tuple[int, int], ...]  # (rows a tile, tiles of that size), tails included
+    experts: int  # experts with rows: the weight gradient's loop trips
+    big: int  # tiles of the largest class: its inner loop's trips
+    small: int  # tiles of the smaller classes and tails: its branches taken
+
+
+def tiled_gmm_visits(group_sizes: Sequence[int], array_rows: int) -> TiledVisits:
+    """`TiledVisits` of a call over `group_sizes` on an array of `array_rows` rows (the
+    same walk `tiled_gmm_rows` counts rows of)."""
+    classes = tiled_gmm_classes(array_rows)
+    counts = dict.fromkeys(classes, 0)
+    tails = 0
+    for size in group_sizes:
+        used = 0
+        for tile in classes:
+            count = (size - used) // tile
+            counts[tile] += count
+            used += count * tile
+        tails += size > used
+    counts[classes[-1]] += tails
+    tiles = tuple((t, n) for t, n in counts.items() if n)
+    big = counts[classes[0]] - (tails if len(classes) == 1 else 0)
+    visited = sum(n for _, n in tiles)
+    return TiledVisits(
+        classes=classes,
+        tiles=tiles,
+        experts=sum(1 for s in group_sizes if s > 0),
+        big=big,
+        small=visited - big,
+    )
 
 
 def kernel_rows(

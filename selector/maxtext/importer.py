@@ -123,8 +123,6 @@ OWN_KEYS = (
     "measure",
     "measure_rounds",
     "measure_save",
-    "time_calibration",
-    "time_model",
 )
 # Of OWN_KEYS, those read by code of their own (the chip prices the hardware, the
 # dispatch and mode have MaxText defaults, the rest are enums); every other is taken as

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .. import time_calibration
 from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend, Hardware
 from ..findings import Finding, error, fix, warning
 from ..plan_sizes import pallas_row_tile_ok, pallas_sublane_rows
@@ -194,7 +193,7 @@ def hardware_values(cfg: Config) -> list[Finding]:
     hw = cfg.hardware
     names = (
         "memory_gib",
-        "peak_bf16_tflops",
+        "matmul_tflops",
         "hbm_bandwidth_gbps",
         "ici_bandwidth_gbps",
         "dcn_bandwidth_gbps",
@@ -339,24 +338,6 @@ def gmm_row_tile_supported(cfg: Config) -> list[Finding]:
     return []
 
 
-def time_calibration_usable(cfg: Config) -> list[Finding]:
-    """A time calibration that cannot be read, or was measured on other hardware."""
-    if not cfg.time_calibration:
-        return []
-    try:
-        time_calibration.load(cfg.time_calibration, cfg.hardware.name)
-    except time_calibration.TimeCalibrationError as exc:
-        return [
-            error(
-                "TIME_CALIBRATION_INVALID",
-                "time_calibration",
-                f"{exc}. The estimates keep the model's time until it is fixed.",
-                [fix("the time model without a calibration", time_calibration="")],
-            )
-        ]
-    return []
-
-
 SETTINGS_RULES = (
     non_finite,
     sizes_in_range,
@@ -371,5 +352,4 @@ SETTINGS_RULES = (
     mlp_needs_one_expert,
     gmm_backend_on_platform,
     gmm_row_tile_supported,
-    time_calibration_usable,
 )

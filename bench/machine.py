@@ -1,0 +1,441 @@
+"""The machine constants the counted time model prices with (`selector.timing`),
+measured on this machine's devices by microbenchmarks that are not MoE blocks.
+
+Every device runs the same small program at once, inside one shard_map over all of
+them, so what one device sustains while the others work is what is measured (8
+simulated CPU devices share this machine's cores, as the blocks they price do). Each
+program is timed ROUNDS times (after a call that compiles it) and the median kept; what
+an op costs is read as the difference between a program of many such ops and one of a
+single op, so the cost of calling a program drops out:
+
+- call_us: one call of a program that adds 1 to a few floats on every device;
+- launch_us: a chain of dependent 4 x 4 dots (nothing to compute, nothing to fuse
+  across them), per dot;
+- matmul_curve: float32 dots over a grid of shapes (rows 8 to 2,048, K x N 64 x 128 to
+  640 x 1,280), each as the grouped matmul runs a tile: in a loop of 32 trips, rows
+  sliced at a moving offset times one of 8 weights picked by the trip, written back in
+  place; per trip. The FLOP rate a device sustains against a dot's MFLOPs, sorted by
+  size (the count looks up each dot's rate there, log-log between points);
+- gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
+  8 experts of full tiles of 32 to 512 rows, K x N 64 x 128 to 640 x 1,280), per visit;
+- einsum_curve: the dense and capacity paths' batched einsum "tm,emh->teh";
+- hbm_bandwidth_gbps: a chain of 8 elementwise multiply-adds over 4M floats (bytes read
+  and written);
+- gather_gbps: rows of (8,192, 128) float32 taken in a random order (each added to the
+  rows the last op wrote, so no two gathers fold into one), and added back by a
+  scatter-add, in chains of 4, the median of the two (bytes of the rows moved);
+- collective_latency_us, ici_bandwidth_gbps: chains of 4 all-to-alls, all-gathers and
+  psums over the 8 devices at 5 sizes (8 KB to 8 MB a device); for each kind a line
+  time = latency + bytes / bandwidth through the sizes (least relative squares), the
+  median of the three kinds;
+- loop_trip_us: a fori_loop of 1,000 trips whose body is one 4 x 4 dot, per trip less
+  one launch (the loop's own cost a trip; 0 when a trip costs no more than its dot).
+
+`--write` stores them in conf/hardware/cpu.yaml, which the selector reads (the library
+reads no study's output); tests/test_machine.py checks the file against this study's JSON.
+
+    python -m bench.machine            # measure, write bench/results/machine_cpu.json and .png
+    python -m bench.machine --write    # and conf/hardware/cpu.yaml
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from bench.common import use_cpu_devices
+
+if __name__ == "__main__":
+    use_cpu_devices(8)
+
+from bench.common import arguments, machine, median, pyplot, save, table  # noqa: E402
+
+ROUNDS = 15
+STUDY = "machine_cpu"
+HARDWARE_FILE = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml"
+MATMUL_ROWS = (8, 32, 64, 128, 512, 2048)
+MATMUL_KN = ((64, 128), (192, 384), (640, 1280))
+TRIPS = 32
+COLLECTIVE_ROWS = (16, 128, 1024, 4096, 16384)  # rows of 128 float32 a device
+CURVES = ("matmul_curve", "gmm_curve", "einsum_curve")
+SCALARS = (
+    "call_us",
+    "launch_us",
+    "loop_trip_us",
+    "hbm_bandwidth_gbps",
+    "gather_gbps",
+    "ici_bandwidth_gbps",
+    "collective_latency_us",
+)
+
+
+def _timed(fn, *args) -> float:
+    """Median seconds of ROUNDS calls (after one that compiles)."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def _program(body, *shapes):
+    """jit(shard_map(body)) over every device, each holding float32 arrays of `shapes`,
+    and those arrays (global: a leading dim of devices x shape[0])."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices()
+    mesh = Mesh(np.asarray(devices), ("d",))
+    spec = P("d")
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=tuple(spec for _ in shapes), out_specs=spec, check_vma=False
+        )
+    )
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    args = [
+        jax.device_put(
+            jax.random.normal(key, (len(devices) * s[0], *s[1:]), jnp.float32) * 0.1,
+            NamedSharding(mesh, spec),
+        )
+        for key, s in zip(keys, shapes, strict=True)
+    ]
+    return fn, args
+
+
+def _per_op(make, shapes, ops: int) -> float:
+    """Seconds one op of `make(n)`'s chain adds: (chain of `ops` - chain of 1) / (ops - 1)."""
+    long, short = (_timed(*_flat(_program(make(n), *shapes))) for n in (ops, 1))
+    return (long - short) / (ops - 1)
+
+
+def _flat(pair):
+    fn, args = pair
+    return (fn, *args)
+
+
+def call() -> float:
+    return _timed(*_flat(_program(lambda x: x + 1.0, (8,))))
+
+
+def launch() -> float:
+    def chain(n):
+        def body(x):
+            y = x
+            for _ in range(n):
+                y = y @ x  # each dot waits for the last; XLA fuses no dot into a dot
+            return y
+
+        return body
+
+    return _per_op(chain, [(4, 4)], 201)
+
+
+def matmul_curve() -> list[dict]:
+    """Per dot size, the FLOP rate of a dot as the grouped matmul runs its tiles: a
+    fori_loop of TRIPS trips whose body slices `rows` rows of the input at a moving
+    offset, multiplies them by one of E weights (indexed by the trip) and writes the
+    product into the output in place; per trip, the loop of TRIPS against a loop of 1."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    experts = 8
+    out = []
+    for rows in MATMUL_ROWS:
+        for k, n in MATMUL_KN:
+            array = max(rows * 4, 256)
+
+            def loop(trips, rows=rows, k=k, n=n, array=array):
+                def body(x, w):
+                    w = w.reshape(experts, k, n)
+
+                    def trip(i, o):
+                        start = (i * 8) % (array - rows + 1)
+                        y = lax.dynamic_slice_in_dim(x, start, rows) @ w[i % experts]
+                        return lax.dynamic_update_slice_in_dim(o, y, start, 0)
+
+                    return lax.fori_loop(0, trips, trip, jnp.zeros((array, n), x.dtype))
+
+                return body
+
+            long, short = (
+                _timed(*_flat(_program(loop(t), (array, k), (experts * k, n)))) for t in (TRIPS + 1, 1)
+            )
+            seconds = max((long - short) / TRIPS, 1e-9)
+            flops = 2 * rows * k * n
+            out.append(
+                {"shape": f"{rows}x{k}x{n}", "mflops": flops / 1e6, "tflops": flops / seconds / 1e12}
+            )
+    return sorted(out, key=lambda r: r["mflops"])
+
+
+GMM_TILES = (32, 64, 256, 512)
+GMM_KN = ((64, 128), (192, 384), (640, 1280))
+GMM_EXPERTS = 8
+
+
+def gmm_curve() -> list[dict]:
+    """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
+    GMM_EXPERTS experts of exactly `tile` rows each (full tiles, one visit an expert),
+    its forward with one weight, its input gradient and its weight gradient, each
+    timed alone; per visit, the mean of the three less a call."""
+    import jax.numpy as jnp
+
+    from layers.grouped_matmul import tiled_forward, tiled_input_grad, tiled_weight_grad
+
+    called = call()
+    out = []
+    for tile in GMM_TILES:
+        for k, n in GMM_KN:
+            rows, e = tile * GMM_EXPERTS, GMM_EXPERTS
+            sizes = jnp.full((e,), tile, jnp.int32)
+            passes = (
+                (lambda x, w: tiled_forward(x, (w.reshape(e, k, n),), sizes)[0], (rows, k), (e * k, n)),
+                (lambda d, w: tiled_input_grad((d,), (w.reshape(e, k, n),), sizes), (rows, n), (e * k, n)),
+                (lambda x, d: tiled_weight_grad(x, d, sizes).reshape(e * k, n), (rows, k), (rows, n)),
+            )
+            seconds = [
+                max(_timed(*_flat(_program(body, *shapes))) - called, 1e-9) / e
+                for body, *shapes in passes
+            ]
+            flops = 2 * tile * k * n
+            out.append(
+                {
+                    "shape": f"{tile}x{k}x{n}",
+                    "mflops": flops / 1e6,
+                    "tflops": flops / median(seconds) / 1e12,
+                }
+            )
+    return sorted(out, key=lambda r: r["mflops"])
+
+
+EINSUM_SHAPES = ((8, 256, 64, 128), (8, 1024, 192, 384), (8, 2048, 640, 1280), (32, 512, 192, 384))
+
+
+def einsum_curve() -> list[dict]:
+    """The FLOP rate of the dense and capacity paths' batched einsums: every token through
+    every expert, "tm,emh->teh" over (experts, tokens, K, N) shapes; per einsum less a call."""
+    import jax.numpy as jnp
+
+    called = call()
+    out = []
+    for e, t, k, n in EINSUM_SHAPES:
+        fn, args = _program(
+            lambda x, w, e=e, k=k, n=n: jnp.einsum("tm,emh->teh", x, w.reshape(e, k, n)).reshape(t, -1),
+            (t, k),
+            (e * k, n),
+        )
+        seconds = max(_timed(fn, *args) - called, 1e-9)
+        flops = 2 * e * t * k * n
+        out.append({"shape": f"{e}x{t}x{k}x{n}", "mflops": flops / 1e6, "tflops": flops / seconds / 1e12})
+    return sorted(out, key=lambda r: r["mflops"])
+
+
+def memory() -> float:
+    size = 1 << 22
+
+    def chain(n):
+        def body(x):
+            for _ in range(n):
+                x = x * 1.0001 + 0.5
+            return x
+
+        return body
+
+    # Each op of the chain is its own pass only if XLA does not fuse them: it does, so
+    # the chain is one fused loop reading and writing once; time one such op.
+    fn, args = _program(chain(1), (size,))
+    return 2 * 4 * size / max(_timed(fn, *args) - call(), 1e-9) / 1e9
+
+
+def gather() -> tuple[float, dict]:
+    import jax.numpy as jnp
+
+    rows, width = 8192, 128
+
+    # Each op reads the rows the last one wrote, so XLA cannot fold two gathers into one.
+    def takes(n):
+        def body(x, key):
+            order = jnp.argsort(key[:, 0])
+            for _ in range(n):
+                x = x + jnp.take(x, order, axis=0)
+            return x
+
+        return body
+
+    def scatters(n):
+        def body(x, key):
+            order = jnp.argsort(key[:, 0])
+            for _ in range(n):
+                x = x + jnp.zeros_like(x).at[order].add(x)
+            return x
+
+        return body
+
+    got = {}
+    for name, make in (("gather", takes), ("scatter_add", scatters)):
+        seconds = _per_op(make, [(rows, width), (rows, 1)], 5)
+        got[name] = rows * width * 4 / max(seconds, 1e-9) / 1e9
+    return median(list(got.values())), got
+
+
+def collectives() -> tuple[float, float, list[dict]]:
+    """(latency s, bandwidth bytes/s, rows): a line per collective kind through its sizes."""
+    import jax
+    import numpy as np
+    from jax import lax
+
+    n = len(jax.devices())
+
+    def all_to_all(x):
+        return lax.all_to_all(x.reshape(n, -1, 128), "d", 0, 0, tiled=True).reshape(-1, 128)
+
+    kinds = {  # (one op, bytes a device sends for `rows` rows of its array)
+        "all_to_all": (all_to_all, lambda rows: rows * 128 * 4 * (1 - 1 / n)),
+        "all_gather": (
+            lambda x: lax.all_gather(x, "d", tiled=True)[: x.shape[0]] * 0.5,
+            lambda rows: rows * 128 * 4 * (n - 1),
+        ),
+        "psum": (lambda x: lax.psum(x, "d") * 0.125, lambda rows: 2 * rows * 128 * 4 * (1 - 1 / n)),
+    }
+    fits, out = [], []
+    for name, (op, sent) in kinds.items():
+        xs, ys = [], []
+        for rows in COLLECTIVE_ROWS:
+            rows = rows // n * n if name == "all_to_all" else rows
+
+            def chain(length, op=op):
+                def body(x):
+                    for _ in range(length):
+                        x = op(x)
+                    return x
+
+                return body
+
+            seconds = _per_op(chain, [(rows, 128)], 5)
+            xs.append(sent(rows))
+            ys.append(seconds)
+            out.append({"collective": name, "bytes": sent(rows), "ms": seconds * 1e3})
+        # time = a + bytes / bw, least squares relative to each time
+        design = np.array([[1.0, x] for x in xs]) / np.array(ys)[:, None]
+        (latency, per_byte), *_ = np.linalg.lstsq(design, np.ones(len(xs)), rcond=None)
+        fits.append((max(latency, 0.0), 1 / per_byte))
+        out.append(
+            {"collective": f"{name} (line)", "latency_us": latency * 1e6, "gbps": 1 / per_byte / 1e9}
+        )
+    return median([f[0] for f in fits]), median([f[1] for f in fits]), out
+
+
+def loop_trip(launch_s: float) -> float:
+    from jax import lax
+
+    def loop(trips):
+        def body(x):
+            return lax.fori_loop(0, trips, lambda i, y: y @ x, x)
+
+        return body
+
+    long, short = (_timed(*_flat(_program(loop(t), (4, 4)))) for t in (1001, 1))
+    return max((long - short) / 1000 - launch_s, 0.0)
+
+
+def measure() -> dict:
+    launch_s = launch()
+    latency, bandwidth, collective_rows = collectives()
+    gbps_gather, gathers = gather()
+    constants = {
+        "call_us": call() * 1e6,
+        "launch_us": launch_s * 1e6,
+        "loop_trip_us": loop_trip(launch_s) * 1e6,
+        "hbm_bandwidth_gbps": memory(),
+        "gather_gbps": gbps_gather,
+        "ici_bandwidth_gbps": bandwidth / 1e9,
+        "collective_latency_us": latency * 1e6,
+    }
+    curve = matmul_curve()
+    return {
+        "machine": machine(),
+        "rounds": ROUNDS,
+        "constants": constants,
+        "matmul_curve": curve,
+        "gmm_curve": gmm_curve(),
+        "einsum_curve": einsum_curve(),
+        "gathers": gathers,
+        "collectives": collective_rows,
+    }
+
+
+def curve_yaml(name: str, curve: list[dict]) -> str:
+    """A curve as conf/hardware's `{name}:` list of [MFLOPs a dot, TFLOP/s]."""
+    def num(x: float) -> str:  # a float OmegaConf reads as one (3355.0, not 3355)
+        return repr(float(f"{x:.4g}"))
+
+    points = ", ".join(f"[{num(p['mflops'])}, {num(p['tflops'])}]" for p in curve)
+    return f"{name}: [{points}]"
+
+
+def write_hardware(payload: dict) -> None:
+    """Set the measured constants in conf/hardware/cpu.yaml, keeping its other lines."""
+    text = HARDWARE_FILE.read_text()
+    lines = [f"{k}: {float(f'{v:.4g}')!r}" for k, v in payload["constants"].items()]
+    lines += [curve_yaml(name, payload[name]) for name in CURVES]
+    for line in lines:
+        name = line.split(":", 1)[0]
+        text, found = re.subn(rf"^{name}: .*$", line, text, flags=re.M)
+        if not found:
+            text += line + "\n"
+    HARDWARE_FILE.write_text(text)
+    print("wrote", HARDWARE_FILE)
+
+
+def plot(payload: dict):
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in CURVES:
+        curve = payload[name]
+        left.plot([p["mflops"] for p in curve], [p["tflops"] * 1e3 for p in curve], "o-", label=name)
+    left.set(xscale="log", xlabel="MFLOPs a dot", ylabel="GFLOP/s a device (8 at once)",
+             title="float32 dots: in a tile loop, tiled_gmm's visits, batched einsums")
+    left.legend(fontsize=7)
+    for name in ("all_to_all", "all_gather", "psum"):
+        pts = [r for r in payload["collectives"] if r["collective"] == name]
+        right.plot([p["bytes"] / 1e6 for p in pts], [p["ms"] for p in pts], "o-", label=name)
+    right.set(xscale="log", yscale="log", xlabel="MB a device sends", ylabel="ms a collective",
+              title="collectives over 8 devices")
+    right.legend()
+    fig.tight_layout()
+    return fig
+
+
+def main() -> int:
+    args = arguments(
+        STUDY,
+        __doc__,
+        plot,
+        write={"action": "store_true", "help": "store the constants in conf/hardware/cpu.yaml"},
+    )
+    if args is None:
+        return 0
+    payload = measure()
+    print(table([{k: f"{v:.4g}" for k, v in payload["constants"].items()}], [(k, k) for k in SCALARS]))
+    for name in CURVES:
+        print(name)
+        print(table(payload[name], [("shape", "dot"), ("mflops", "MFLOP"), ("tflops", "TFLOP/s")]))
+    print("wrote", *save(STUDY, payload, plot(payload)))
+    if args.write:
+        write_hardware(payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Time counted from what a candidate's program does on one device, priced by the
+machine's constants. Nothing here is fitted to a candidate's timing.
+
+A step is counted as `Work` (`count_work`), read off the layers' programs:
+
+- dots: every matmul, by its size in FLOPs: the grouped matmul's tiles as its tile plan
+  visits them (`selector.tiles`; forward three dots a tile, the backward six, eight in
+  the exchange's backward, which recomputes the two input products), the dense and
+  capacity paths' einsums, the router and the shared experts;
+- memory bytes: activations written and read back, and the expert weights read;
+- gather bytes: rows moved by gathers and scatters (sorting the routed rows by expert,
+  packing the exchange's round buffers, adding results back into the tokens);
+- collectives: how many the step issues (weight all-gathers and gradient
+  reduce-scatters, the exchange's all-to-alls every round, the round count's pmax, the
+  statistics' and hidden axes' sums) and the bytes each device moves over ICI and DCN;
+- ops: the other ops the step issues, and loop trips: what XLA:CPU's compiled programs
+  of the block issue outside their dots (`PROGRAM_OPS`, `TILE_OPS`, ...: counted in
+  the compiled HLO of each loop body, checked by tests/test_timing.py), per trip of
+  each data-dependent loop (tiles, experts, exchange slots and rounds).
+
+`price` turns work into four parts with the constants of `Hardware` (conf/hardware/):
+
+    compute  = sum over dots of FLOPs / rate(dot size)       (the matmul curve, or peak)
+    memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
+    network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
+    overhead = call + ops x launch + loop trips x loop trip
+
+The matmul curve is measured as the grouped matmul runs a tile (a dot in a loop, its
+rows sliced and its product written in place), so a dot's own launch is in its rate.
+
+On CPU every constant is measured (`python -m bench.machine`); on TPU and GPU the
+matmul peak and the bandwidths are the vendors' published figures, and the constants
+nobody publishes (collective latency, launch and loop costs) are not counted (None in
+those presets): `Hardware.uncounted` names them and the report
+says so.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from .config import Dispatch, Exchange, Hardware
+from .problem import DeviceProblem, buffer_rows
+from .tiles import exchanged_calls, gathered_calls, routed_rows, tiled_gmm_visits
+
+# Ops XLA:CPU's compiled block issues besides its dots, read in its HLO (ops of the entry
+# computation, outside the loops; tests/test_timing.py counts them again).
+PROGRAM_OPS = {
+    ("megablox_gathered", True): 160,
+    ("megablox_gathered", False): 120,
+    ("megablox_exchanged", True): 55,
+    ("megablox_exchanged", False): 36,
+    ("dense", True): 71,
+    ("dense", False): 37,
+}
+# Per trip of tiled_gmm's row-tile loop, with one or two weights, and per expert its
+# weight gradient visits (plus per big tile, and per smaller tile or tail it takes).
+TILE_OPS = {1: 8, 2: 11}
+EXPERT_OPS = 14
+BIG_TILE_OPS = 5
+SMALL_TILE_OPS = 4
+# Per round of the exchange and per slot (one sender's rows at their owner): forward,
+# backward.
+ROUND_OPS = (51, 75)
+SLOT_OPS = (45, 74)
+SORT_BYTES = 8  # a row's key and index, moved once per merge pass of the sort
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a candidate's program does on one device in one step, counted."""
+
+    dots: tuple[tuple[str, float, float], ...]  # (kind, FLOPs a dot, dots of that size)
+    memory_bytes: float
+    gather_bytes: float
+    collectives: float
+    ici_bytes: float
+    dcn_bytes: float
+    ops: float  # ops issued besides the dots
+    loop_trips: float
+
+    @property
+    def flops(self) -> float:
+        return sum(f * n for _, f, n in self.dots)
+
+    @property
+    def dot_count(self) -> float:
+        return sum(n for _, _, n in self.dots)
+
+
+@dataclass(frozen=True)
+class TimeParts:
+    """Seconds a step takes on one device, by what prices them."""
+
+    compute: float
+    memory: float
+    network: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.memory + self.network + self.overhead
+
+    def as_dict(self) -> dict:
+        return {
+            "compute": self.compute,
+            "memory": self.memory,
+            "network": self.network,
+            "overhead": self.overhead,
+        }
+
+
+# Which measured curve prices a dot of each kind (selector.config.Hardware).
+CURVES = {"plain": "matmul_curve", "tile": "gmm_curve", "batched": "einsum_curve"}
+
+
+def matmul_rate(flops: float, hw: Hardware, kind: str = "plain") -> float:
+    """FLOP/s a device sustains on a dot of `flops` FLOPs of `kind` (plain, a tiled_gmm
+    tile, an einsum batched over experts): its measured curve (log-log between its
+    points, flat past its ends), or the published peak without one."""
+    points = getattr(hw, CURVES[kind]) or hw.matmul_curve
+    curve = sorted((float(m) * 1e6, float(t) * 1e12) for m, t in points)
+    if not curve:
+        return hw.matmul_tflops * 1e12
+    sizes = [s for s, _ in curve]
+    i = bisect_left(sizes, flops)
+    if i == 0:
+        return curve[0][1]
+    if i == len(curve):
+        return curve[-1][1]
+    (s0, r0), (s1, r1) = curve[i - 1], curve[i]
+    w = (math.log(flops) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+
+
+def price(work: Work, hw: Hardware) -> TimeParts:
+    """The four parts of `work`'s time under `hw`'s constants (the module docstring)."""
+    compute = sum(n * f / matmul_rate(f, hw, kind) for kind, f, n in work.dots)
+    gather_bw = hw.gather_gbps or hw.hbm_bandwidth_gbps
+    memory = work.memory_bytes / (hw.hbm_bandwidth_gbps * 1e9) + work.gather_bytes / (
+        gather_bw * 1e9
+    )
+    network = (
+        work.collectives * (hw.collective_latency_us or 0.0) * 1e-6
+        + work.ici_bytes / (hw.ici_bandwidth_gbps * 1e9)
+        + work.dcn_bytes / (hw.dcn_bandwidth_gbps * 1e9)
+    )
+    launch, trip = hw.launch_us or 0.0, hw.loop_trip_us or 0.0
+    overhead = (hw.call_us or 0.0) + work.ops * launch + work.loop_trips * trip
+    overhead *= 1e-6
+    return TimeParts(compute, memory, network, overhead)
+
+
+@dataclass(frozen=True)
+class _Loops:
+    """A grouped matmul's tile visits and the ops and loop trips its loops cost."""
+
+    tiles: tuple[tuple[int, float], ...]  # (rows a tile, visits), one pass over the rows
+    ops: float = 0.0
+    trips: float = 0.0
+
+
+def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
+    """Tile visits of one pass of the grouped matmul over `calls`, and (tiled_gmm) the
+    ops and trips of all its passes in the step: forward (a call with two weights, one
+    with one), and training's input gradients (the same) and three weight gradients;
+    the exchange's backward recomputes the two-weight forward first."""
+    if kernel != "tiled_gmm":
+        rows = sum(sum(sizes) for sizes, _ in calls)
+        if kernel == "pallas_megablox":
+            return _Loops(((p.tile, rows / p.tile),))
+        return _Loops(((max(rows, 1), 1.0),))
+    tiles: dict[int, float] = {}
+    ops = trips = 0.0
+    for sizes, array_rows in calls:
+        visits = tiled_gmm_visits(sizes, array_rows)
+        loops = len(visits.classes) + 1
+        row_trips = sum(n for _, n in visits.tiles)
+        for t, n in visits.tiles:
+            tiles[t] = tiles.get(t, 0.0) + n
+        row_passes = [TILE_OPS[2], TILE_OPS[1]]  # forward: gate and up, then out
+        grads = 0
+        if p.train:
+            row_passes += [TILE_OPS[1], TILE_OPS[2]]  # input gradients
+            row_passes += [TILE_OPS[2]] if exchanged else []  # the recomputed forward
+            grads = 3
+        ops += sum(row_trips * (body + 1) + 2 * loops for body in row_passes)
+        trips += row_trips * len(row_passes)
+        expert = visits.experts * (EXPERT_OPS + 1) + visits.big * BIG_TILE_OPS
+        expert += visits.small * SMALL_TILE_OPS + 2
+        ops += grads * expert
+        trips += grads * (visits.experts + visits.big)
+    return _Loops(tuple(sorted(tiles.items())), ops, trips)
+
+
+def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> int:
+    """Dots a tile visit does over the step: 3 forward; the backward's input and weight
+    gradients 6, and the exchange's recomputed gate and up 2 more."""
+    if not p.train:
+        return 3
+    return 11 if exchanged else 9
+
+
+def _ffn_dots(kind: str, rows: float, p: DeviceProblem, dots: float) -> tuple[str, float, float]:
+    """`dots` dots of `rows` rows through one expert matrix (2 rows M H FLOPs each)."""
+    return (kind, 2 * rows * p.M * p.H, dots)
+
+
+def count_work(
+    strategy: Dispatch,
+    exchange: Exchange,
+    p: DeviceProblem,
+    traffic,
+    rounds: int,
+    memory_bytes: float,
+) -> Work:
+    """What one device does in one step of `strategy` (see the module docstring).
+    `traffic` is the cost model's `Traffic` (network bytes), `rounds` the exchange's
+    expected rounds, `memory_bytes` the HBM bytes (`selector.cost.memory_bytes`)."""
+    exchanged = strategy is Dispatch.megablox and exchange is Exchange.all_to_all
+    bwd = 2 if p.train else 0  # a dot's backward: two more of its size
+    routed = routed_rows(p.T, p.k)
+    dots: list[tuple[float, float]] = []
+    if strategy is not Dispatch.mlp:
+        dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd))  # router logits
+    if p.Hs:
+        dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd)))  # shared experts
+    ops = trips = gather = 0.0
+    collectives = 1.0  # the statistics' sum over the token axes
+    collectives += (1 + (p.train)) * (p.hidden_shards > 1)  # hidden axes' partial sums
+    # Weight all-gathers in (reduce-scatters out): the three routed matrices over the
+    # gathered axes, the shared experts and the router over their own.
+    collectives += 3 * (1 + p.train) * (p.gathered > 1)
+    collectives += (4 if p.Hs else 1) * (1 + p.train) * (p.gate_shards > 1)
+    sort = routed * max(math.ceil(math.log2(max(routed, 2))), 1) * SORT_BYTES
+    if strategy is Dispatch.megablox:
+        if exchanged:
+            b = int(buffer_rows(p))
+            calls = exchanged_calls(routed, p.E, p.group, b)
+        else:
+            calls = gathered_calls(routed, p.E)
+        loops = _gmm_loops(p.kernel, calls, p, exchanged)
+        if p.gmm_dense:  # ragged_dot off TPU: every group's work on every row
+            loops = _Loops(((routed * p.E_c, 1.0),))  # priced as plain dots below
+        per_visit = _dots_per_visit(p, exchanged)
+        kind = "tile" if p.kernel == "tiled_gmm" and not p.gmm_dense else "plain"
+        dots += [_ffn_dots(kind, t, p, n * per_visit) for t, n in loops.tiles]
+        ops += loops.ops
+        trips += loops.trips
+        key = "megablox_exchanged" if exchanged else "megablox_gathered"
+        ops += PROGRAM_OPS[(key, p.train)]
+        gather += sort + 4 * routed * 3  # the sort, the ids and weights taken, the sizes
+        if exchanged:
+            b = buffer_rows(p)
+            slots = p.group * b  # rows of one round's buffers
+            fwd, back = ROUND_OPS, SLOT_OPS
+            ops += rounds * (fwd[0] + p.group * back[0])
+            trips += rounds * (1 + p.group)
+            gather += rounds * (2 * slots * p.M * p.xb + 2 * slots * 4)
+            collectives += rounds * 4 + 1  # x, ids, scales out and results back; the pmax
+            if p.train:
+                ops += rounds * (fwd[1] + p.group * back[1])
+                trips += rounds * (1 + p.group)
+                gather += rounds * (3 * slots * p.M * p.xb + 3 * slots * 4)
+                collectives += rounds * 6
+            collectives += 1 if p.ragged else 0  # the receive counts, once
+        else:
+            gather += (2 + bwd) * routed * p.M * p.xb  # rows taken, results added back
+    elif strategy is Dispatch.dense:
+        dots.append(_ffn_dots("batched", p.T * p.E_c, p, 3 * (1 + bwd)))
+        dots.append(("batched", 2 * p.T * p.E_c * p.M, 1 + bwd))  # the combine
+        ops += PROGRAM_OPS[("dense", p.train)]
+    elif strategy is Dispatch.mlp:
+        dots.append(_ffn_dots("plain", p.T, p, 3 * (1 + bwd)))
+        ops += PROGRAM_OPS[("dense", p.train)]
+    else:  # subgroup_capacity: dispatch and combine einsums around the experts'
+        slots = p.G * p.E * p.C
+        dots.append(("batched", 2 * slots * p.S * p.M, 2 * (1 + bwd)))
+        dots.append(_ffn_dots("batched", slots, p, 3 * (1 + bwd)))
+        ops += PROGRAM_OPS[("dense", p.train)]
+    return Work(
+        dots=tuple(dots),
+        memory_bytes=memory_bytes,
+        gather_bytes=gather,
+        collectives=collectives,
+        ici_bytes=traffic.ici,
+        dcn_bytes=traffic.dcn,
+        ops=ops,
+        loop_trips=trips,
+    )
+
+
+def priced_by(hw: Hardware) -> str:
+    """One line naming the constants that priced a time and where they come from."""
+    curves = [hw.matmul_curve, hw.gmm_curve, hw.einsum_curve]
+    matmul = (
+        f"matmul curves measured at {sum(len(c) for c in curves)} dot sizes"
+        if any(curves)
+        else f"matmul {hw.matmul_tflops:g} TFLOP/s"
+    )
+    parts = [
+        matmul,
+        f"memory {hw.hbm_bandwidth_gbps:g} GB/s",
+        f"gathers {hw.gather_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
+        f"ICI {hw.ici_bandwidth_gbps:g} GB/s",
+        f"DCN {hw.dcn_bandwidth_gbps:g} GB/s",
+    ]
+    for name, value, unit in (
+        ("collective latency", hw.collective_latency_us, "us"),
+        ("launch", hw.launch_us, "us an op"),
+        ("loop trip", hw.loop_trip_us, "us"),
+        ("call", hw.call_us, "us a step"),
+    ):
+        if value is not None:
+            parts.append(f"{name} {value:.3g} {unit}")
+    text = f"{', '.join(parts)} ({hw.source})"
+    if hw.uncounted:
+        text += f"; not counted (no figure for {hw.name}): {', '.join(hw.uncounted)}"
+    return text
+
+
+__all__ = ["TimeParts", "Work", "count_work", "matmul_rate", "price", "priced_by"]
