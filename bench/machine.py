@@ -169,12 +169,17 @@ def matmul_curve() -> list[dict]:
                 return body
 
             long, short = (
-                _timed(*_flat(_program(loop(t), (array, k), (experts * k, n)))) for t in (TRIPS + 1, 1)
+                _timed(*_flat(_program(loop(t), (array, k), (experts * k, n))))
+                for t in (TRIPS + 1, 1)
             )
             seconds = max((long - short) / TRIPS, 1e-9)
             flops = 2 * rows * k * n
             out.append(
-                {"shape": f"{rows}x{k}x{n}", "mflops": flops / 1e6, "tflops": flops / seconds / 1e12}
+                {
+                    "shape": f"{rows}x{k}x{n}",
+                    "mflops": flops / 1e6,
+                    "tflops": flops / seconds / 1e12,
+                }
             )
     return sorted(out, key=lambda r: r["mflops"])
 
@@ -184,29 +189,43 @@ GMM_KN = ((64, 128), (192, 384), (640, 1280))
 GMM_EXPERTS = 8
 
 
+def _gmm_passes(tile: int, e: int, k: int, n: int):
+    """(body, shapes...) of tiled_gmm's three passes over `e` experts of `tile` rows."""
+    import jax.numpy as jnp
+
+    from layers.grouped_matmul import tiled_forward, tiled_input_grad, tiled_weight_grad
+
+    rows, sizes = tile * e, jnp.full((e,), tile, jnp.int32)
+
+    def forward(x, w):
+        return tiled_forward(x, (w.reshape(e, k, n),), sizes)[0]
+
+    def input_grad(d, w):
+        return tiled_input_grad((d,), (w.reshape(e, k, n),), sizes)
+
+    def weight_grad(x, d):
+        return tiled_weight_grad(x, d, sizes).reshape(e * k, n)
+
+    return (
+        (forward, (rows, k), (e * k, n)),
+        (input_grad, (rows, n), (e * k, n)),
+        (weight_grad, (rows, k), (rows, n)),
+    )
+
+
 def gmm_curve() -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
     GMM_EXPERTS experts of exactly `tile` rows each (full tiles, one visit an expert),
     its forward with one weight, its input gradient and its weight gradient, each
     timed alone; per visit, the mean of the three less a call."""
-    import jax.numpy as jnp
-
-    from layers.grouped_matmul import tiled_forward, tiled_input_grad, tiled_weight_grad
-
     called = call()
     out = []
     for tile in GMM_TILES:
         for k, n in GMM_KN:
-            rows, e = tile * GMM_EXPERTS, GMM_EXPERTS
-            sizes = jnp.full((e,), tile, jnp.int32)
-            passes = (
-                (lambda x, w: tiled_forward(x, (w.reshape(e, k, n),), sizes)[0], (rows, k), (e * k, n)),
-                (lambda d, w: tiled_input_grad((d,), (w.reshape(e, k, n),), sizes), (rows, n), (e * k, n)),
-                (lambda x, d: tiled_weight_grad(x, d, sizes).reshape(e * k, n), (rows, k), (rows, n)),
-            )
+            e = GMM_EXPERTS
             seconds = [
                 max(_timed(*_flat(_program(body, *shapes))) - called, 1e-9) / e
-                for body, *shapes in passes
+                for body, *shapes in _gmm_passes(tile, e, k, n)
             ]
             flops = 2 * tile * k * n
             out.append(
@@ -230,14 +249,16 @@ def einsum_curve() -> list[dict]:
     called = call()
     out = []
     for e, t, k, n in EINSUM_SHAPES:
-        fn, args = _program(
-            lambda x, w, e=e, k=k, n=n: jnp.einsum("tm,emh->teh", x, w.reshape(e, k, n)).reshape(t, -1),
-            (t, k),
-            (e * k, n),
-        )
+
+        def body(x, w, e=e, t=t, k=k, n=n):
+            return jnp.einsum("tm,emh->teh", x, w.reshape(e, k, n)).reshape(t, -1)
+
+        fn, args = _program(body, (t, k), (e * k, n))
         seconds = max(_timed(fn, *args) - called, 1e-9)
         flops = 2 * e * t * k * n
-        out.append({"shape": f"{e}x{t}x{k}x{n}", "mflops": flops / 1e6, "tflops": flops / seconds / 1e12})
+        out.append(
+            {"shape": f"{e}x{t}x{k}x{n}", "mflops": flops / 1e6, "tflops": flops / seconds / 1e12}
+        )
     return sorted(out, key=lambda r: r["mflops"])
 
 
@@ -331,7 +352,11 @@ def collectives() -> tuple[float, float, list[dict]]:
         (latency, per_byte), *_ = np.linalg.lstsq(design, np.ones(len(xs)), rcond=None)
         fits.append((max(latency, 0.0), 1 / per_byte))
         out.append(
-            {"collective": f"{name} (line)", "latency_us": latency * 1e6, "gbps": 1 / per_byte / 1e9}
+            {
+                "collective": f"{name} (line)",
+                "latency_us": latency * 1e6,
+                "gbps": 1 / per_byte / 1e9,
+            }
         )
     return median([f[0] for f in fits]), median([f[1] for f in fits]), out
 
@@ -377,6 +402,7 @@ def measure() -> dict:
 
 def curve_yaml(name: str, curve: list[dict]) -> str:
     """A curve as conf/hardware's `{name}:` list of [MFLOPs a dot, TFLOP/s]."""
+
     def num(x: float) -> str:  # a float OmegaConf reads as one (3355.0, not 3355)
         return repr(float(f"{x:.4g}"))
 
@@ -403,15 +429,26 @@ def plot(payload: dict):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for name in CURVES:
         curve = payload[name]
-        left.plot([p["mflops"] for p in curve], [p["tflops"] * 1e3 for p in curve], "o-", label=name)
-    left.set(xscale="log", xlabel="MFLOPs a dot", ylabel="GFLOP/s a device (8 at once)",
-             title="float32 dots: in a tile loop, tiled_gmm's visits, batched einsums")
+        left.plot(
+            [p["mflops"] for p in curve], [p["tflops"] * 1e3 for p in curve], "o-", label=name
+        )
+    left.set(
+        xscale="log",
+        xlabel="MFLOPs a dot",
+        ylabel="GFLOP/s a device (8 at once)",
+        title="float32 dots: in a tile loop, tiled_gmm's visits, batched einsums",
+    )
     left.legend(fontsize=7)
     for name in ("all_to_all", "all_gather", "psum"):
         pts = [r for r in payload["collectives"] if r["collective"] == name]
         right.plot([p["bytes"] / 1e6 for p in pts], [p["ms"] for p in pts], "o-", label=name)
-    right.set(xscale="log", yscale="log", xlabel="MB a device sends", ylabel="ms a collective",
-              title="collectives over 8 devices")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="MB a device sends",
+        ylabel="ms a collective",
+        title="collectives over 8 devices",
+    )
     right.legend()
     fig.tight_layout()
     return fig
@@ -427,7 +464,9 @@ def main() -> int:
     if args is None:
         return 0
     payload = measure()
-    print(table([{k: f"{v:.4g}" for k, v in payload["constants"].items()}], [(k, k) for k in SCALARS]))
+    print(
+        table([{k: f"{v:.4g}" for k, v in payload["constants"].items()}], [(k, k) for k in SCALARS])
+    )
     for name in CURVES:
         print(name)
         print(table(payload[name], [("shape", "dot"), ("mflops", "MFLOP"), ("tflops", "TFLOP/s")]))

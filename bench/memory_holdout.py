@@ -78,6 +78,9 @@ def overrides(chip: str, model: str, cp: int, exchange: str, mode: str) -> list[
         f"mode={mode}",
         "dispatch=megablox",
         f"expert_exchange={exchange}",
+        # The group the stored programs were compiled with: the expert group auto chose
+        # before it weighed fsdp in the group too (the context devices).
+        *(["expert_group=expert_and_sequence"] if exchange == "all_to_all" else []),
         "dtype=bfloat16",
         "param_dtype=bfloat16",
         "hardware.memory_gib=1000000",

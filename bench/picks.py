@@ -168,7 +168,10 @@ def variants(config) -> dict[str, object]:
 
     out = {}
     for strategy, exchange, group in VARIANTS:
-        if strategy == "dense" and config.num_experts > DENSE_MAX_RATIO * config.num_experts_per_tok:
+        if (
+            strategy == "dense"
+            and config.num_experts > DENSE_MAX_RATIO * config.num_experts_per_tok
+        ):
             continue
         forced = config.replace(
             dispatch=Dispatch(strategy),
@@ -351,9 +354,7 @@ def main() -> int:
         rows = []
         for i, point in enumerate(points[: args.only] if args.only else points):
             rows.append(time_point(point))
-            said = ", ".join(
-                f"{n} {median(t) * 1e3:.3g}" for n, t in rows[-1]["times_s"].items()
-            )
+            said = ", ".join(f"{n} {median(t) * 1e3:.3g}" for n, t in rows[-1]["times_s"].items())
             print(f"[{i + 1}/{len(points)}] {rows[-1]['label']}: {said} ms", flush=True)
         payload = {"rounds": ROUNDS, "machine": machine(), "rows": rows}
     else:

@@ -1,10 +1,10 @@
 """The cost model's traffic and time terms: each collective's bytes, split between the
 links it crosses (ICI within a slice, DCN across slices), priced at that link's speed."""
 
-import json
+import math
 
 import pytest
-from helpers import codes, problem, typed
+from helpers import problem, typed
 
 import selector
 from selector import Dispatch, Exchange

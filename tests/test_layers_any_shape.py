@@ -134,8 +134,8 @@ def test_an_input_no_plan_serves_is_refused_with_finding_and_fix(blocks, shape, 
 
 
 def test_the_built_strategy_stays_with_this_shapes_numbers(jax_cpu8):
-    """auto chose dense at (2, 32); at (2, 256) it would choose megablox, but the block
-    keeps dense (its weights, its semantics) with the numbers of (2, 256)."""
+    """auto chose dense at (2, 32); at (2, 1024) it would choose megablox, but the block
+    keeps dense (its weights, its semantics) with the numbers of (2, 1024)."""
     model = build("auto", MESH, *BUILT)
     assert model.plan.strategy is selector.Dispatch.dense
     cfg = selector.compose(
@@ -146,7 +146,7 @@ def test_the_built_strategy_stays_with_this_shapes_numbers(jax_cpu8):
             "ici_fsdp_parallelism=2",
             "ici_context_parallelism=4",
             "per_device_batch_size=0.25",
-            "max_target_length=256",
+            "max_target_length=1024",
             "expert_exchange=gather",
             "allow_local_batch_inflation=true",
             "context_parallel_load_balance=false",
@@ -154,11 +154,11 @@ def test_the_built_strategy_stays_with_this_shapes_numbers(jax_cpu8):
     )
     fresh = selector.resolve(cfg, model.layout.mesh)
     assert fresh.strategy is selector.Dispatch.megablox  # the shape would flip the choice
-    plan, layout, spec = model.at_shape((2, 256, 64))
+    plan, layout, spec = model.at_shape((2, 1024, 64))
     assert plan.strategy is selector.Dispatch.dense
     assert plan.placement == model.plan.placement
     assert plan.per_device == fresh.per_device
     assert layout.weight_specs() == model.layout.weight_specs()
-    again = model.at_shape((2, 256, 64))[0]
+    again = model.at_shape((2, 1024, 64))[0]
     assert again.per_device is plan.per_device  # resolved once per shape, then cached
     assert model.at_shape((2, 32, 64))[0] is model.plan

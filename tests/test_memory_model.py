@@ -72,7 +72,7 @@ def test_xla_cpu_counts_the_weights_copy_in_float32_and_xla_tpu_fuses_a_cast():
     for platform, hardware, copy in (("tpu", "v5p", 0), ("cpu", "cpu", 4)):
         h, _ = held("mode=prefill", *one, f"hardware={hardware}", "param_dtype=float32")
         assert h.weights == 128 * 3 * 2048 * 768 * copy, platform
-    h, _ = held("mode=prefill", "param_dtype=float32")
+    h, _ = held("mode=prefill", "param_dtype=float32", "expert_exchange=gather")
     assert h.weights == 128 * 3 * 2048 * 768 * 2
 
 

@@ -45,14 +45,11 @@ def test_every_config_group_is_declared_with_its_yaml():
 
 
 def test_package_data_files_are_declared():
-    """Data the library reads at run time (the GPU target descriptions, the time
-    model's constants) is matched by a package-data pattern, so the wheel carries it."""
+    """Data the library reads at run time (the GPU target descriptions) is matched by a
+    package-data pattern, so the wheel carries it."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]
-    for package, path in (
-        ("selector", "targets_data/gpu.json"),
-        ("selector", "time_model.json"),
-    ):
+    for package, path in (("selector", "targets_data/gpu.json"),):
         assert (ROOT / package / path).is_file(), path
         assert any(Path(path).match(p) for p in patterns.get(package, [])), path
 

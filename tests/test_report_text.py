@@ -36,10 +36,11 @@ PLACEMENTS = {
             "folded_axes": [],
             "shared_embed_axes": ["fsdp", "context"],
             "experts_per_device": 8,
+            "expert_group": "auto",
         },
     ),
     "exchanged": (
-        (*FSDP2_CP4, "expert_exchange=all_to_all"),
+        (*FSDP2_CP4, "expert_exchange=all_to_all", "expert_group=expert_and_sequence"),
         "rest sharded (experts over context=4, embed over fsdp=2); expert parallel over "
         "context=4: each device computes with its 2 experts and routed rows travel to "
         "them by all-to-all and back",
@@ -52,6 +53,7 @@ PLACEMENTS = {
             "folded_axes": ["context"],
             "shared_embed_axes": ["fsdp"],
             "experts_per_device": 2,
+            "expert_group": "expert_and_sequence",
         },
     ),
     "gathered, prefill, tensor": (
@@ -76,6 +78,7 @@ PLACEMENTS = {
             "folded_axes": [],
             "shared_embed_axes": ["context"],
             "experts_per_device": 8,
+            "expert_group": "auto",
         },
     ),
     "exchanged, fsdp in the group": (
@@ -92,6 +95,7 @@ PLACEMENTS = {
             "folded_axes": ["context"],
             "shared_embed_axes": ["fsdp"],
             "experts_per_device": 1,
+            "expert_group": "expert_sequence_and_fsdp",
         },
     ),
     "replicated": (
@@ -106,6 +110,7 @@ PLACEMENTS = {
             "folded_axes": [],
             "shared_embed_axes": [],
             "experts_per_device": 8,
+            "expert_group": "auto",
         },
     ),
 }
@@ -128,8 +133,11 @@ def _ms(x: float) -> str:
 
 
 def _why(est) -> str:
-    compute, hbm, network = est.time_parts
-    return f"{_ms(est.time_s)} ms: compute {_ms(compute)}, HBM {_ms(hbm)}, network {_ms(network)}"
+    t = est.time_parts
+    return (
+        f"{_ms(est.time_s)} ms: compute {_ms(t.compute)}, memory {_ms(t.memory)}, "
+        f"network {_ms(t.network)}, overhead {_ms(t.overhead)}"
+    )
 
 
 @pytest.mark.parametrize("capacity_factor", ["-1", "0"])  # both ask for dropless

@@ -141,10 +141,9 @@ def test_deepseek_decode_picks_a_routed_dispatch_because_dense_reads_every_exper
     routed = plan.chosen_estimate
     dense = plan.candidate(Dispatch.dense).estimate
     assert dense.traffic.hbm > 20 * routed.traffic.hbm  # weights read per step
-    # In time, scaled by each program's HBM constant from XLA:TPU's counts (dense's is
-    # the smaller: 5.3 against megablox's 8.7 at decode), still over 10x.
-    assert dense.time_parts[1] > 10 * routed.time_parts[1]
-    assert "HBM" in plan.reason and "dense" in plan.reason
+    # In time, at the HBM bandwidth, over 10x too.
+    assert dense.time_parts.memory > 10 * routed.time_parts.memory
+    assert "memory" in plan.reason
 
 
 def test_plan_says_what_the_block_does_with_sharded_weights():

@@ -13,7 +13,7 @@ from test_selector_findings import CASES
 import selector
 from selector.config import Config, Exchange
 from selector.findings import Severity
-from selector.placement import exchange_group
+from selector.placement import exchange_group, expert_groups
 from selector.plan import analyse
 
 # The reported command: decode on the decode axis, experts asked to be exchanged.
@@ -23,6 +23,7 @@ DECODE_REPORTED = (
     "ici_context_autoregressive_parallelism=4",
     "per_device_batch_size=1",
     "expert_exchange=all_to_all",
+    "expert_group=expert_and_sequence",
     "param_dtype=bfloat16",
 )
 
@@ -64,8 +65,9 @@ GRID = list(
 
 @pytest.mark.parametrize("mode,group_rule,sizes,experts", GRID)
 def test_the_check_and_the_placement_read_one_group(mode, group_rule, sizes, experts):
-    """Where the exchange is placed, its group is exchange_group's; where it cannot be,
-    the error names that same group and is the right one of the two."""
+    """Where the exchange is placed, its group is exchange_group's (with
+    expert_group=auto, one of the groups auto weighs, `expert_groups`); where it cannot
+    be, the error names exchange_group's group and is the right one of the two."""
     expert, autoregressive = sizes
     cfg = typed(
         f"mode={mode}",
@@ -85,7 +87,12 @@ def test_the_check_and_the_placement_read_one_group(mode, group_rule, sizes, exp
     if mode == "decode":
         assert not set(group.axes) & set(plan.mesh.sequence_axes)
     exchange_errors = codes(found) & {"EXPERT_GROUP_EMPTY", "EXPERTS_NOT_DIVISIBLE_BY_GROUP"}
-    if size > 1 and experts % size == 0:
+    weighed = expert_groups(cfg, plan.mesh)
+    if group_rule == "auto" and weighed:
+        assert not exchange_errors, [f.message for f in found]
+        assert plan.placement.group_axes in {p.group_axes for p in weighed}
+        assert experts % plan.mesh.product(plan.placement.group_axes) == 0
+    elif size > 1 and experts % size == 0:
         assert not exchange_errors, [f.message for f in found]
         assert plan.placement.exchange is Exchange.all_to_all
         assert plan.placement.group_axes == group.axes
@@ -161,7 +168,6 @@ EXTRA_ERRORS = [
     ("axis_rules.hidden=[fsdp]",),
     ("ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"),
     ("dcn_data_parallelism=2",),
-    ("time_calibration=/nonexistent/calibration.json",),
 ]
 
 

@@ -313,7 +313,10 @@ def test_cli_rows_at_the_qwen3_next_preset_are_the_kernels(kernel):
     the even split exactly (sampled groups start anywhere in a tile, as the Pallas
     count assumes: `pallas_expected_tiles`)."""
     report = _cli_json(
-        "model=qwen3_next_80b_a3b", "ici_context_parallelism=4", f"gmm_backend={kernel}"
+        "model=qwen3_next_80b_a3b",
+        "ici_context_parallelism=4",
+        f"gmm_backend={kernel}",
+        "expert_group=expert_and_sequence",
     )
     by_name = {c["name"]: c for c in report["plan"]["candidates"]}
     tokens = report["plan"]["per_device"]["tokens_per_device"]
@@ -397,7 +400,7 @@ def test_qwen3_next_cp4_row_tile_is_the_cheapest_priced():
 
 def test_gmm_row_tile_forces_the_tile_and_is_counted_at_it():
     """gmm_row_tile=128 takes the kernel's old tile back: rows 4x the routed ones."""
-    report = _cli_json(*QWEN3_NEXT_CP4, "gmm_row_tile=128")
+    report = _cli_json(*QWEN3_NEXT_CP4, "gmm_row_tile=128", "expert_exchange=gather")
     chosen = next(c for c in report["plan"]["candidates"] if c["chosen"])
     assert chosen["tiling"] == {"kernel": "pallas_megablox", "tm": 128, "source": "gmm_row_tile"}
     routed = tiles.gathered_calls(20480, 512)
