@@ -10,7 +10,7 @@ and decode the forward. The points are the small shapes the old fitted model was
 on plus the held-out ones fixed beside them; the real layers that judge the model are
 in bench.memory_holdout. Arguments and outputs are checked as they are. Beside the
 memory, XLA's cost analysis (FLOPs, bytes accessed) is set against the selector's FLOP
-and HBM terms (bench.decide --from-counts reads these rows).
+and HBM terms, for comparison.
 
     python -m bench.calibrate --target tpu            # compile; the count's errors
     python -m bench.calibrate --target tpu --rejudge  # the count again, nothing compiled

@@ -13,16 +13,13 @@ rows(tm) counted from `make_group_metadata`'s tiles at tm, on average over where
 group starts in its tile (`pallas_expected_tiles`: under routed traffic a group starts
 anywhere), the bytes from the kernels' grids (`selector.tiles.pallas_hbm_bytes`), on
 the same calls the candidate's rows are counted on (`gathered_calls`,
-`exchanged_calls`). The raw terms, not the fitted time
-model: its TPU HBM scale was fitted (bench.decide) on XLA's bytes accessed, which
-already hold these per-tile weight reads (the Pallas call's cost estimate counts the
-weights once per m tile), so scaling the kernel's own count by it would count them
-twice. No per-grid-step overhead is priced: none has been measured here.
+`exchanged_calls`), at the hardware's published peak and bandwidth, as the counted
+time prices them (selector.timing; the chosen tile's bytes are the candidate's grouped
+matmul bytes there). No per-grid-step overhead is priced: no figure is published.
 
 tiled_gmm keeps its own classes (512, 256, 128, 64; a 64-row masked tail): on XLA:CPU,
-where it runs, per-tile dots below 32 rows slow down (README, "Grouped matmul on CPU")
-and the CPU time model is fitted per program, not per tile, so there is nothing to
-price a smaller tail against. ragged_dot is XLA's lowering, whose tiles we have not
+where it runs, per-tile dots below 32 rows slow down (README, "Grouped matmul on CPU");
+its visits are priced by the measured tiled_gmm curve (conf/hardware/cpu.yaml). ragged_dot is XLA's lowering, whose tiles we have not
 read. Their tiling is reported, not chosen.
 """
 
