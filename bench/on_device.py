@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import RESULTS
+from bench.common import RESULTS, median
 
 ROUNDS = 5
 BUDGET_S = 420.0  # leaves room in 8 minutes for start-up and the grouped matmuls
@@ -153,14 +153,14 @@ def time_layer(layer: Layer, hardware: str, devices: int, dry: bool, rounds: int
     flops = useful_flops(layer, devices)
     rows = {}
     for name, ts in times.items():
-        median = sorted(ts)[len(ts) // 2]
+        mid = median(ts)
         est = selector.resolve(forced[name]).chosen_estimate
         rows[name] = {
-            "median_s": median,
+            "median_s": mid,
             "times_s": ts,
             "estimated_s": est.time_s,
             "estimated_parts_s": est.time_parts.as_dict(),
-            "mfu": flops / (median * peak),
+            "mfu": flops / (mid * peak),
         }
     pick = plan_name(plan)
     routed = {n: r for n, r in rows.items() if not n.startswith("mlp")}
@@ -220,7 +220,7 @@ def gmm_alone(dry: bool, rounds: int) -> dict:
     times = interleaved(fns, rounds)
     return {
         "shape": {"rows": rows, "emb": emb, "hidden": hidden, "experts": experts},
-        "median_s": {n: sorted(t)[len(t) // 2] for n, t in times.items()},
+        "median_s": {n: median(t) for n, t in times.items()},
         "skipped": skipped,
     }
 

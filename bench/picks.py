@@ -34,7 +34,7 @@ TIMING = "--time" in sys.argv
 if __name__ == "__main__" and TIMING:
     use_cpu_devices(8)
 
-from bench.common import arguments, load, pyplot, save, table  # noqa: E402
+from bench.common import arguments, load, median, pyplot, save, table  # noqa: E402
 
 ROUNDS = 9
 STUDY = "picks_cpu"
@@ -231,12 +231,6 @@ def spearman(xs, ys) -> float:
     vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
     vy = math.sqrt(sum((b - my) ** 2 for b in ry))
     return 1.0 if vx == 0 or vy == 0 else cov / (vx * vy)
-
-
-def median(values) -> float:
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def score(rows: list[dict]) -> list[dict]:
