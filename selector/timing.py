@@ -14,9 +14,10 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
   reduce-scatters, the exchange's all-to-alls every round, the round count's pmax, the
   statistics' and hidden axes' sums) and the bytes each device moves over ICI and DCN;
 - ops: the other ops the step issues, and loop trips: what XLA:CPU's compiled programs
-  of the block issue outside their dots (`PROGRAM_OPS`, `TILE_OPS`, ...: counted in
-  the compiled HLO of each loop body, checked by tests/test_timing.py), per trip of
-  each data-dependent loop (tiles, experts, exchange slots and rounds).
+  of the block issue outside their dots (`PROGRAM_OPS`, `TILE_OPS`, ...: read by hand
+  in the compiled HLO of the entry computation and of each loop body, jax 0.10.2, tiny
+  blocks; no test recounts them), per trip of each data-dependent loop (tiles,
+  experts, exchange slots and rounds).
 
 `price` turns work into four parts with the constants of `Hardware` (conf/hardware/):
 
@@ -46,7 +47,7 @@ from .problem import DeviceProblem, buffer_rows
 from .tiles import exchanged_calls, gathered_calls, routed_rows, tiled_gmm_visits
 
 # Ops XLA:CPU's compiled block issues besides its dots, read in its HLO (ops of the entry
-# computation, outside the loops; tests/test_timing.py counts them again).
+# computation, outside the loops; jax 0.10.2, tiny blocks on 8 devices).
 PROGRAM_OPS = {
     ("megablox_gathered", True): 160,
     ("megablox_gathered", False): 120,
