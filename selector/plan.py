@@ -13,7 +13,7 @@ from .cost import Estimate, estimate
 from .findings import Finding, Fix, Severity, errors_in, warning
 from .mesh import MeshView, build_mesh_view
 from .per_device import PerDevice, per_device
-from .placement import WeightPlacement, describe, expert_groups
+from .placement import WeightPlacement, describe
 from .policy import (
     best_group,
     candidates_for,
@@ -264,9 +264,9 @@ def _placements(
     """Every (dispatch, exchange) candidate and where its weights could rest (every
     expert group auto weighs, for an exchange)."""
     return {
-        (s, ex): expert_groups(cfg, mesh) if ex is Exchange.all_to_all else (place,)
+        (s, ex): places
         for s in candidates_for(cfg)
-        for ex, place in exchange_candidates(cfg, mesh, s).items()
+        for ex, places in exchange_candidates(cfg, mesh, s).items()
     }
 
 
@@ -340,7 +340,7 @@ def _analyse(
         cfg, chosen, lambda: _experts_split(cfg, mesh, live_shape)
     )
     findings += rules.exchange_settings(
-        cfg, mesh, strategy, exchange_candidates(cfg, mesh, strategy)
+        cfg, mesh, strategy, {ex: places for (s, ex), places in options.items() if s is strategy}
     )
 
     plan = DispatchPlan(

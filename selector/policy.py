@@ -42,16 +42,16 @@ def exchange_backend(cfg: Config) -> str:
 
 def exchange_candidates(
     cfg: Config, mesh: MeshView, strategy: Dispatch
-) -> dict[Exchange, WeightPlacement]:
-    """The placements the block can run for `strategy` (an explicit expert_exchange
-    narrows them): gathered always; exchanged for megablox when some token axis forms
-    an expert group that splits num_experts evenly (placement.exchange_group says which
-    axes form it)."""
-    options = {Exchange.gather: gathered(mesh, cfg.num_experts)}
+) -> dict[Exchange, tuple[WeightPlacement, ...]]:
+    """The placements the block can run for `strategy`, by exchange (an explicit
+    expert_exchange narrows them): gathered always; exchanged for megablox over each
+    expert group that splits num_experts evenly (`placement.expert_groups`: every group
+    auto weighs, or the one expert_group names)."""
+    options = {Exchange.gather: (gathered(mesh, cfg.num_experts),)}
     if strategy is Dispatch.megablox:
         groups = expert_groups(cfg, mesh)
         if groups:
-            options[Exchange.all_to_all] = groups[0]
+            options[Exchange.all_to_all] = groups
     if cfg.expert_exchange in options:
         return {cfg.expert_exchange: options[cfg.expert_exchange]}
     if cfg.expert_exchange is not Exchange.auto and cfg.dispatch is Dispatch.auto:
