@@ -88,15 +88,7 @@ def tiled_gmm_rows(group_sizes: Sequence[int], array_rows: int) -> int:
     """Rows tiled_gmm computes over an array of `array_rows` rows: its tile plan's full
     tiles, plus one tail tile of the smallest class for each expert with rows left.
     Forward, input gradient and weight gradient walk the same plan."""
-    classes = tiled_gmm_classes(array_rows)
-    computed = 0
-    for size in group_sizes:
-        used = 0
-        for tile in classes:
-            count = (size - used) // tile
-            used += count * tile
-        computed += used + (classes[-1] if size > used else 0)
-    return computed
+    return sum(t * n for t, n in tiled_gmm_visits(group_sizes, array_rows).tiles)
 
 
 @dataclass(frozen=True)

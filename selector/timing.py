@@ -223,7 +223,7 @@ def count_work(
     exchanged = strategy is Dispatch.megablox and exchange is Exchange.all_to_all
     bwd = 2 if p.train else 0  # a dot's backward: two more of its size
     routed = routed_rows(p.T, p.k)
-    dots: list[tuple[float, float]] = []
+    dots: list[tuple[str, float, float]] = []
     if strategy is not Dispatch.mlp:
         dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd))  # router logits
     if p.Hs:
@@ -237,14 +237,13 @@ def count_work(
     collectives += (4 if p.Hs else 1) * (1 + p.train) * (p.gate_shards > 1)
     sort = routed * max(math.ceil(math.log2(max(routed, 2))), 1) * SORT_BYTES
     if strategy is Dispatch.megablox:
-        if exchanged:
-            b = int(buffer_rows(p))
-            calls = exchanged_calls(routed, p.E, p.group, b)
-        else:
-            calls = gathered_calls(routed, p.E)
-        loops = _gmm_loops(p.kernel, calls, p, exchanged)
+        b = buffer_rows(p)  # rows an exchange slot holds
         if p.gmm_dense:  # ragged_dot off TPU: every group's work on every row
             loops = _Loops(((routed * p.E_c, 1.0),))  # priced as plain dots below
+        elif exchanged:
+            loops = _gmm_loops(p.kernel, exchanged_calls(routed, p.E, p.group, int(b)), p, True)
+        else:
+            loops = _gmm_loops(p.kernel, gathered_calls(routed, p.E), p, False)
         per_visit = _dots_per_visit(p, exchanged)
         kind = "tile" if p.kernel == "tiled_gmm" and not p.gmm_dense else "plain"
         dots += [_ffn_dots(kind, t, p, n * per_visit) for t, n in loops.tiles]
@@ -254,7 +253,6 @@ def count_work(
         ops += PROGRAM_OPS[(key, p.train)]
         gather += sort + 4 * routed * 3  # the sort, the ids and weights taken, the sizes
         if exchanged:
-            b = buffer_rows(p)
             slots = p.group * b  # rows of one round's buffers
             fwd, back = ROUND_OPS, SLOT_OPS
             ops += rounds * (fwd[0] + p.group * back[0])
