@@ -91,28 +91,44 @@ def parse_point(text: str) -> dict:
     model, cp = parts[0], int(parts[1])
     topology = parts[2] if len(parts) == 3 else "v5p-16"
     chips = chips_of(topology)
-    if chips % cp:
-        raise SystemExit(f"{text}: cp={cp} does not divide {chips} chips")
+    # Other ici_*_parallelism axes named in the point take their share before fsdp.
+    others = 1
+    for p in extra:
+        key, _, value = p.partition("=")
+        if key.startswith("ici_") and key.endswith("_parallelism"):
+            others *= int(value)
+    if chips % (cp * others):
+        raise SystemExit(f"{text}: cp={cp} x the other axes ({others}) do not divide {chips} chips")
     return {
         "label": text,
         "model": model,
         "cp": cp,
         "topology": topology,
         "chips": chips,
-        "fsdp": chips // cp,
+        "fsdp": chips // (cp * others),
         "extra": extra,
     }
 
 
 def overrides(point: dict, args) -> list[str]:
+    """The point's MaxText overrides; a per_device_batch_size or max_target_length the
+    point names replaces the run's."""
+    named = {p.partition("=")[0] for p in point["extra"]}
+    batch = [
+        f"{key}={value}"
+        for key, value in (
+            ("per_device_batch_size", f"{args.per_device_batch_size:g}"),
+            ("max_target_length", args.max_target_length),
+        )
+        if key not in named
+    ]
     return [
         f"model_name={point['model']}",
         f"compile_topology={point['topology']}",
         "compile_topology_num_slices=1",
         f"ici_context_parallelism={point['cp']}",
         f"ici_fsdp_parallelism={point['fsdp']}",
-        f"per_device_batch_size={args.per_device_batch_size:g}",
-        f"max_target_length={args.max_target_length}",
+        *batch,
         *point["extra"],
     ]
 
@@ -323,6 +339,9 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--logs", default="", help="folder to keep each compile's full output in")
     ap.add_argument("--workdir", default="/tmp", help="the folder train_compile runs in")
+    ap.add_argument(
+        "--into", default=STUDY, help="write the rows to bench/results/INTO.json and .png"
+    )
     args = ap.parse_args(argv)
 
     python = venv_python(args.venv)
@@ -345,7 +364,7 @@ def main(argv=None) -> None:
 
     print(table(rows, COLUMNS))
     payload = {
-        "study": STUDY,
+        "study": args.into,
         "base_yml": base,
         "maxtext_stack": versions(python),
         "per_device_batch_size": args.per_device_batch_size,
@@ -354,7 +373,7 @@ def main(argv=None) -> None:
         "error": "(estimate - compiled peak) / compiled peak",
         "rows": rows,
     }
-    json_path, png_path = save(STUDY, payload, plot(rows))
+    json_path, png_path = save(args.into, payload, plot(rows))
     print(f"wrote {json_path} and {png_path}")
 
 
