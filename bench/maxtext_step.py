@@ -2,7 +2,7 @@
 machine (no TPU needed), beside this project's estimate for the same MaxText config.
 
 Each point is MaxText's `train_compile` run in a separate Python (>= 3.12) virtualenv with
-jax[tpu] and maxtext installed (see /work/shared/NOTES.md, "The jax 0.12 stack"); its
+jax[tpu] and maxtext installed (as noxfile.py builds for the 3.12 stack); its
 `Memory analysis: CompiledMemoryStats(...)` line gives the compiled step's arguments,
 outputs, aliased and temp bytes (peak = arguments + outputs - aliased + temp). The estimate
 is `python -m selector <base.yml> ... output=json` in this (jax-free) Python: the chosen

@@ -17,7 +17,7 @@ expert matmuls.
 2. MaxText 0.2.5's comparison shape on XLA:TPU (emb 2048, hidden 512, E=64, k=8,
    bfloat16, 4 x 8192 tokens; fsdp=2 x context=cp on 2 cp chips): our gathered and
    exchanged megablox blocks with the Pallas kernels, beside MaxText's megablox block
-   as measured from outside on the same compiler (shared/NOTES.md: jax 0.12.0.1 and
+   as measured from outside on the same compiler (outside this repository: jax 0.12.0.1 and
    libtpu 0.0.50.1; MaxText is not run here).
 
 3. With --real: one MoE layer of Qwen3-Next-80B-A3B and of DeepSeek-V3 at their real
@@ -47,7 +47,8 @@ from bench.common import arguments, pyplot, save, table
 SMALL = dict(emb=256, hidden=512, experts=16, top_k=2, batch=2, seq=4096)
 SMALL_MESH = {"fsdp": 2, "context": 4}
 MAXTEXT = dict(emb=2048, hidden=512, experts=64, top_k=8, batch=4, seq=8192)
-# MaxText 0.2.5's Pallas megablox block on XLA:TPU, per-device temp MiB by cp (NOTES.md).
+# MaxText 0.2.5's Pallas megablox block on XLA:TPU, per-device temp MiB by cp (measured
+# from outside this repository with MaxText's own RoutedMoE; no script here reruns it).
 MAXTEXT_TEMP_MIB = {1: 3209, 2: 1926, 4: 931}
 CASES = [  # (dispatch, exchange, backend) compiled for each platform
     ("dense", "gather", "auto"),

@@ -25,7 +25,7 @@ from typing import Any
 from selector import targets
 from selector.checked import CompileCheck, CompiledCandidate, Key, StepCompiled
 from selector.config import Config, Dispatch, Exchange, Mode
-from selector.cost import Estimate, Memory, with_memory
+from selector.cost import Estimate, Memory, Verdict, with_memory
 from selector.findings import Finding, error, errors_in, warning
 from selector.plan import Candidate, DispatchPlan, analyse
 from selector.policy import choose
@@ -107,10 +107,15 @@ def check(
         step = _step_of(numbers)
         if step is None:  # one block: the step around it stays the estimate's
             memory = Memory(float(numbers.arguments), float(numbers.outputs), float(numbers.temp))
-            as_compiled = with_memory(est, memory, config.hardware.memory_gib)
-        else:  # the whole step: its peak is what a device holds
+            as_compiled = with_memory(est, memory, config.hardware)
+        else:  # the whole step: its peak is what a device holds, no margin
             fits = step.peak <= config.hardware.memory_gib * GIB
-            as_compiled = dataclasses.replace(est, compiled_step_bytes=step.peak, fits=fits)
+            as_compiled = dataclasses.replace(
+                est,
+                compiled_step_bytes=step.peak,
+                fits=fits,
+                verdict=Verdict.yes if fits else Verdict.no,
+            )
         c = compiled[key] = CompiledCandidate(
             estimate=est,
             as_compiled=as_compiled,

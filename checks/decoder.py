@@ -212,6 +212,12 @@ class Decoder(nnx.Module):
             if moe_layers and moe_layers != list(range(dense, num_layers)):
                 raise ValueError("only dense layers first, then MoE layers, are scanned here")
             kinds = (("dense", (dense,), "attention"), ("moe", (len(moe_layers),), "attention"))
+        if config.context_parallel_strategy.value != "all_gather":
+            raise ValueError(
+                f"context_parallel_strategy={config.context_parallel_strategy.value}: the "
+                "compiled step (checks.step) all-gathers keys and values over the sequence "
+                "shards; compile it with context_parallel_strategy=all_gather."
+            )
         self.config, self.plan = config, plan
         self.layout = lay = DecoderLayout.from_plan(plan, mesh)
         self.dtype = jnp.dtype(config.dtype)
@@ -388,6 +394,7 @@ class Decoder(nnx.Module):
         tiles = max(self.config.num_vocab_tiling, 1)
         tied = self.config.logits_via_embedding
         head_name = "embedding" if tied else "head"
+        logit_dtype = jnp.float32 if self.config.logits_dot_in_fp32 else self.dtype
 
         def body(x, targets, norm, head):
             norm = gather(norm.astype(self.dtype), lay.embed, 0)
@@ -401,7 +408,13 @@ class Decoder(nnx.Module):
             @jax.checkpoint
             def tile(total, xs):
                 h_TM, t_T = xs
-                logits = jnp.einsum("tm,mv->tv", h_TM, head_MV, preferred_element_type=jnp.float32)
+                # The head's matmul in the compute dtype unless logits_dot_in_fp32 (as
+                # MaxText); the loss in float32 either way (its cast_logits_to_fp32).
+                # XLA:TPU may fuse that cast into the dot (seen at tiny sizes: a float32
+                # logits output either way), so false is counted, not compiled, here.
+                logits = jnp.einsum(
+                    "tm,mv->tv", h_TM, head_MV, preferred_element_type=logit_dtype
+                ).astype(jnp.float32)
                 top = jax.lax.stop_gradient(logits.max(-1))
                 top = jax.lax.pmax(top, hidden) if hidden else top
                 sums = jnp.exp(logits - top[:, None]).sum(-1)

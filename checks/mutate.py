@@ -11,6 +11,7 @@ cores.
     python -m checks.mutate cost --survivors       # its survivors again, after new tests
     python -m checks.mutate memory --again         # re-judged after the tests changed
     python -m checks.mutate placement --function exchange_group   # one function's mutants
+    python -m checks.mutate step --sample 40 --seed 0   # the whole step's count, sampled
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -104,6 +105,22 @@ PARTS = {
             "tests/test_selector_decisions.py",
             "tests/test_report_text.py",
             "tests/test_selector_findings.py",
+        ),
+    },
+    # The whole step's memory, the parameter counts and the memory fixes the rules offer
+    # (issue 49 line 5), against the tests that count them by hand.
+    "step": {
+        "modules": (
+            "selector/step_memory.py",
+            "selector/architecture.py",
+            "selector/rules/strategy.py",
+        ),
+        "tests": (
+            "tests/test_whole_model.py",
+            "tests/test_margins.py",
+            "tests/test_cost.py",
+            "tests/test_selector_findings.py",
+            "tests/test_memory_model.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.

@@ -33,7 +33,23 @@ from .maxtext import MaxTextError, from_maxtext, route_fixes
 from .plugins import check_mode
 from .report import render_json, render_text
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_MARGIN = 0, 1, 2, 3
+# A sweep exits with its worst job's status: unusable input, then errors, then a device
+# within the margin, then ok.
+_WORST_LAST = (EXIT_OK, EXIT_MARGIN, EXIT_INVALID, EXIT_USAGE)
+
+
+def worst(a: int, b: int) -> int:
+    return max(a, b, key=_WORST_LAST.index)
+
+
+def exit_status(findings) -> int:
+    """1 with errors; 3 when the only doubt is a device within the memory margin
+    (MEMORY_WITHIN_MARGIN: compile to be sure); 0 otherwise."""
+    if errors_in(findings):
+        return EXIT_INVALID
+    return EXIT_MARGIN if any(f.code == "MEMORY_WITHIN_MARGIN" for f in findings) else EXIT_OK
+
 
 DESCRIPTION = """\
 Pre-launch check for the MoE block under context parallelism. It reads the mesh,
@@ -54,7 +70,8 @@ overrides:
   compile_topology=v5p-128  (MaxText route) the chips to price: 64 v5p chips a slice,
                             compile_topology_num_slices=N slices
 
-exit status: 0 ok (warnings allowed), 1 validation errors, 2 unusable input
+exit status: 0 ok (warnings allowed), 1 validation errors, 2 unusable input, 3 no
+errors but a device within the memory margin (compile=true to be sure)
 """
 
 
@@ -280,7 +297,7 @@ def report(
         if maxtext_step is not None:
             lines.append(maxtext_step.summary(estimate))
         _emit("\n".join(lines))
-    return EXIT_INVALID if errors_in(findings) else EXIT_OK
+    return exit_status(findings)
 
 
 def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = None) -> int:
@@ -314,7 +331,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
         imported.notes += [note] if note else []
     # The importer's findings and the analysis' are verified on the route together (a
     # fix must clear its finding without adding an error to either).
-    routed = route_fixes(imported.findings + findings, path, rest, lambda c: analyse_any(c)[1])
+    routed = route_fixes(imported.findings + findings, path, rest, analyse_any)
     from_import, findings = routed[: len(imported.findings)], routed[len(imported.findings) :]
     step = None
     if wants_step and plan is not None:
@@ -381,7 +398,7 @@ def run(argv: list[str]) -> int:
         else:
             job = i if args.multirun else None
             code = report(config, plan, findings, overrides=lines, job=job, compiled=compiled)
-        status = max(status, code)
+        status = worst(status, code)
         rows.append(summary_row(i, lines, plan, findings, code))
     # JSON lines carry each job's numbers already, and a table would break their parsing.
     if args.multirun and all(cfg.get("output") != OutputFormat.json for _, cfg in composed):

@@ -76,6 +76,16 @@ class ScoreFunc(str, enum.Enum):
     sigmoid = "sigmoid"  # DeepSeek-V3: independent scores, renormalised over the top-k
 
 
+class ContextStrategy(str, enum.Enum):
+    """How attention meets the other sequence shards' keys and values (MaxText's
+    context_parallel_strategy)."""
+
+    all_gather = "all_gather"  # keys and values all-gathered over the context axes
+    ring = "ring"  # passed round the ring: a device holds its own and the next shard's
+    ulysses = "ulysses"  # heads exchanged all-to-all: the whole sequence, 1/cp of the heads
+    usp = "usp"  # ulysses over context_usp_ulysses, all-gather over the other context axes
+
+
 class CapacityRounding(str, enum.Enum):
     """Per-subgroup capacity formula: ours, max(1, ceil(g k / E x cf)), or MaxText's,
     int(max(ceil(g k / E) x cf, cf)) (measured on MaxText 0.2.5)."""
@@ -116,6 +126,16 @@ class Hardware:
     loop_trip_us: float | None = None  # a while loop's cost a trip beyond its ops
     call_us: float | None = None  # a program's cost a call beyond its ops
     source: str = ""  # where the constants come from
+    # How far the whole-step estimate has been from this chip's compiler on its judge
+    # set: [under, over], the largest fractions by which the estimate fell short of
+    # and exceeded the compiled peak (empty: no judge set, the verdict is the estimate's
+    # alone). A device fits for sure when estimate / (1 - under) fits, surely not when
+    # estimate / (1 + over) does not; in between, compile to be sure.
+    step_margin: list[float] = field(default_factory=list)
+    step_margin_source: str = ""  # the judge set the margin comes from
+    # The same for MaxText's own step (the MaxText route takes it as its step_margin).
+    maxtext_step_margin: list[float] = field(default_factory=list)
+    maxtext_step_margin_source: str = ""
     # The jax release whose compiler the memory count follows (its XLA:GPU holds less
     # in the gathered programs from 0.12 on): auto reads the jax installed here, the one
     # compile=true compiles with, without importing it; or a version such as 0.10.2.
@@ -231,6 +251,12 @@ class Config:
     # tiles the logits (num_vocab_tiling parts of the batch-sequence axis at a time).
     remat_policy: str = "full"
     num_vocab_tiling: int = 1
+    # The head's matmul in float32, the logits and their gradient held in it (MaxText's
+    # logits_dot_in_fp32); otherwise in the compute dtype. This project's decoder
+    # (checks.step) has always computed the head in float32, so true is the default
+    # here; MaxText's base.yml says false, and the MaxText route reads its files.
+    logits_dot_in_fp32: bool = True
+    context_parallel_strategy: ContextStrategy = ContextStrategy.all_gather
 
     # Batch and sequence.
     per_device_batch_size: float = 1.0

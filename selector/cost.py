@@ -31,10 +31,11 @@ so the weights' compute copy is counted at 4 bytes there.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import asdict, dataclass
 
-from .config import Config, Dispatch, Exchange, Mode
+from .config import Config, Dispatch, Exchange, Hardware, Mode
 from .memory_model import (
     ROUTER_BYTES,
     HeldBuffers,
@@ -105,6 +106,14 @@ class Traffic:
         return self.network - self.dcn
 
 
+class Verdict(str, enum.Enum):
+    """Whether a device fits the chip, the estimate's margin counted."""
+
+    yes = "yes"
+    no = "no"
+    margin = "margin"  # within the margin: compile to be sure
+
+
 @dataclass(frozen=True)
 class Estimate:
     strategy: Dispatch
@@ -131,6 +140,9 @@ class Estimate:
     tiling: GmmTiling | None = None
     tile_options: tuple[TileOption, ...] = ()
     work: Work | None = None  # what the time counts (selector.timing)
+    verdict: Verdict = (
+        Verdict.yes
+    )  # set by with_memory: fits surely, surely not, or within the margin
 
     @property
     def block_transient(self) -> float:
@@ -151,6 +163,15 @@ class Estimate:
             return self.state_bytes + self.block_transient
         return self.step.total(self.block_transient)
 
+    def device_range(self, hw: Hardware) -> tuple[float, float]:
+        """What a device may hold, given how far the estimate has been from the chip's
+        compiler on its judge set (`Hardware.step_margin`); exact once compiled."""
+        held = self.device_bytes
+        if self.compiled_step_bytes is not None or not hw.step_margin:
+            return held, held
+        under, over = hw.step_margin
+        return held / (1 + over), held / (1 - under)
+
     @property
     def device_breakdown(self) -> dict | None:
         return None if self.step is None else self.step.breakdown(self.block_transient)
@@ -169,6 +190,8 @@ class Estimate:
         d["name"] = self.name
         d["device_bytes"] = self.device_bytes
         d["device_breakdown"] = self.device_breakdown
+        # "verdict" is the plan's word on the candidate; this one is memory's.
+        d["memory_verdict"] = d.pop("verdict").value
         d["memory"]["peak"] = self.memory.peak
         d["traffic"]["network"] = self.traffic.network
         d["traffic"]["weights_bytes"] = self.traffic.weights_bytes
@@ -360,7 +383,7 @@ def estimate(
         tile_options=p.tile_options if strategy is Dispatch.megablox else (),
         work=work,
     )
-    return with_memory(est, memory, hw.memory_gib)
+    return with_memory(est, memory, hw)
 
 
 def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bool:
@@ -382,11 +405,24 @@ def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bo
     return cfg.num_experts // max(mesh.product(place.experts_axes), 1) > 1
 
 
-def with_memory(est: Estimate, memory: Memory, memory_gib: float) -> Estimate:
+def with_memory(est: Estimate, memory: Memory, hw: Hardware) -> Estimate:
     """`est` with the block's program holding `memory` (estimated, or as compiled), and
-    whether a device then fits a chip of `memory_gib`."""
+    whether a device then fits the chip: `fits` for the estimate itself, `verdict` with
+    the chip's margin (`Hardware.step_margin`) around it."""
     est = dataclasses.replace(est, memory=memory)
-    return dataclasses.replace(est, fits=est.device_bytes <= memory_gib * 2**30)
+    chip = hw.memory_gib * 2**30
+    return dataclasses.replace(
+        est, fits=est.device_bytes <= chip, verdict=verdict(est.device_range(hw), chip)
+    )
+
+
+def verdict(device_range: tuple[float, float], chip_bytes: float) -> Verdict:
+    """yes when even the top of the range fits the chip, no when even its bottom does
+    not, and `margin` (compile to be sure) in between."""
+    low, high = device_range
+    if high <= chip_bytes:
+        return Verdict.yes
+    return Verdict.no if low > chip_bytes else Verdict.margin
 
 
 __all__ = [

@@ -6,6 +6,7 @@ A finding names the setting, gives the numbers and says the fix. Errors stop
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +43,30 @@ class Fix:
 
     overrides: tuple[tuple[str, Any], ...]
     note: str = ""  # what the fix changes besides the finding (e.g. the global batch)
+    # What a device then holds (bytes, the whole step) and whether that fits the chip,
+    # from the analysis of the fixed config; None when it was not estimated.
+    held_bytes: float | None = None
+    fits: bool | None = None
 
     def render(self) -> str:
         return " ".join(f"{k}={render_value(v)}" for k, v in self.overrides)
 
     def text(self) -> str:
-        return f"{self.render()} ({self.note})" if self.note else self.render()
+        notes = [self.note] if self.note else []
+        if self.held_bytes is not None:
+            notes.append(f"a device then holds {self.held_bytes / 2**30:.3g} GiB")
+        return f"{self.render()} ({'; '.join(notes)})" if notes else self.render()
+
+
+def ranked_fixes(fixes: list[Fix]) -> tuple[Fix, ...]:
+    """Fixes lightest first by what a device then holds; once one fits the chip, those
+    that leave it over are dropped. A joint fix ("clears A and B together") stays first."""
+    if any(f.fits for f in fixes):
+        fixes = [f for f in fixes if f.fits is not False]
+    joint = [f for f in fixes if f.note.startswith("clears ")]
+    single = [f for f in fixes if not f.note.startswith("clears ")]
+    single.sort(key=lambda f: f.held_bytes if f.held_bytes is not None else float("inf"))
+    return (*joint, *single)
 
 
 def fix(note: str = "", **overrides: Any) -> Fix:
@@ -67,6 +86,9 @@ class Finding:
     # Why no override can clear it (said when no fix survives the check): every error
     # offers a fix that works or says why there is none.
     no_fix: str = ""
+    # Every fix proposed before the check kept those in `fixes`: another route (MaxText's
+    # keys move more than ours) checks them again by its own re-run.
+    tried: tuple[Fix, ...] = ()
 
     def __str__(self) -> str:
         return f"[{self.severity.value}] {self.code} ({self.setting}): {self.message}"
@@ -92,9 +114,7 @@ class Finding:
             text += " " + self.no_fix
         if self.tail:
             text += " " + self.tail
-        return Finding(
-            self.code, self.severity, self.setting, text, verified, self.tail, base, self.no_fix
-        )
+        return dataclasses.replace(self, message=text, fixes=verified, base=base)
 
 
 def shown(text, limit: int = 120) -> str:

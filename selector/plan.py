@@ -210,7 +210,8 @@ def _verified(
     if any(est is not None and est.fits for _, est in good):
         good = [(f, est) for f, est in good if est is None or est.fits]
     good.sort(key=lambda pair: pair[1].device_bytes if pair[1] is not None else float("inf"))
-    return finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good)), clears_all
+    checked = finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good))
+    return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all
 
 
 # How many of each error's fixes (lightest first) a joint fix draws from, and for at
@@ -246,16 +247,19 @@ def _with_joint_fixes(cfg: Config, live_shape, findings: list[Finding]) -> list[
     _, merged, est = best
     codes = " and ".join(f.code for f in errors)
     joint = _with_device_note(Fix(tuple(merged.items()), f"clears {codes} together"), est)
-    return [
-        f.with_fixes((joint, *f.fixes)) if f.severity is Severity.error else f for f in findings
-    ]
+
+    def offered(f: Finding) -> Finding:
+        # As in _verified: once a fix fits the chip, those that leave it over are dropped.
+        rest = [x for x in f.fixes if x.fits is not False] if joint.fits else list(f.fixes)
+        return f.with_fixes((joint, *rest))
+
+    return [offered(f) if f.severity is Severity.error else f for f in findings]
 
 
 def _with_device_note(fix_, est: Estimate | None):
     if est is None:
         return fix_
-    held = f"a device then holds {est.device_bytes / 2**30:.3g} GiB"
-    return dataclasses.replace(fix_, note=f"{fix_.note}; {held}" if fix_.note else held)
+    return dataclasses.replace(fix_, held_bytes=est.device_bytes, fits=est.fits)
 
 
 def _placements(

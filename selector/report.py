@@ -8,11 +8,20 @@ import textwrap
 from .architecture import model_params
 from .checked import MeasureCheck
 from .config import Config
+from .cost import Verdict
 from .findings import Finding, errors_in
 from .per_device import is_whole
 from .plan import DispatchPlan
 from .step_memory import STEP_PARTS
 from .timing import priced_by
+
+# The candidates' fits column and the whole step's verdict, the margin counted.
+FITS = {Verdict.yes: "yes", Verdict.no: "NO", Verdict.margin: "near"}
+FIT_WORDS = {
+    Verdict.yes: "yes",
+    Verdict.no: "no",
+    Verdict.margin: "within the margin, compile to be sure (compile=true)",
+}
 
 
 def _n(x: float) -> str:
@@ -163,7 +172,7 @@ def render_text(
                 f"{e.memory.peak / 2**30:>9.3g} "
                 f"{e.device_bytes / 2**30:>10.3g} {e.traffic.network / 1e9:>10.3g} "
                 f"{e.traffic.weights_bytes / 1e9:>10.3g} {e.traffic.rows_bytes / 1e9:>8.3g} "
-                f"{e.time_s * 1e3:>8.3g} {'yes' if e.fits else 'NO':>5}  {c.verdict}"
+                f"{e.time_s * 1e3:>8.3g} {FITS[e.verdict]:>5}  {c.verdict}"
             )
         lines += [
             "",
@@ -201,12 +210,16 @@ def render_text(
         lines.append(_wrap(f"{f.severity.value.upper()} {f.code} [{f.setting}]: {f.message}", "  "))
     n_err = len(errors_in(findings))
     n_warn = len(findings) - n_err
-    lines += [
-        "",
-        f"FAILED: {n_err} error(s), {n_warn} warning(s)"
-        if n_err
-        else f"OK: no errors, {n_warn} warning(s)",
-    ]
+    if n_err:
+        last = f"FAILED: {n_err} error(s), {n_warn} warning(s)"
+    elif any(f.code == "MEMORY_WITHIN_MARGIN" for f in findings):
+        last = (
+            f"WITHIN THE MARGIN: no errors, {n_warn} warning(s); compile to be sure "
+            "(compile=true). Exit status 3."
+        )
+    else:
+        last = f"OK: no errors, {n_warn} warning(s)"
+    lines += ["", last]
     return "\n".join(lines)
 
 
@@ -319,4 +332,25 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
         f"  {'peak':<22} {parts['total'] / 2**30:>9.3g}  (what rests + what is saved + the",
         f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block)",
     ]
+    est, hw = plan.chosen_estimate, cfg.hardware
+    low, high = est.device_range(hw)
+    if hw.step_margin and est.compiled_step_bytes is None:
+        under, over = hw.step_margin
+        lines.append(
+            _wrap(
+                f"margin: the estimate has been {under:.0%} under to {over:.0%} over the "
+                f"compiled peak ({hw.step_margin_source}): a device holds {low / 2**30:.3g} "
+                f"to {high / 2**30:.3g} GiB of {hw.memory_gib:g}; fits: "
+                f"{FIT_WORDS[est.verdict]}",
+                "  ",
+            )
+        )
+    elif est.compiled_step_bytes is None:
+        lines.append(
+            _wrap(
+                f"margin: none known (no judge set for {hw.name} on this route): the "
+                "verdict is the estimate's alone",
+                "  ",
+            )
+        )
     return lines

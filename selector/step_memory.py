@@ -14,8 +14,10 @@ training (or serving) step of the whole decoder holds, from shapes and dtypes al
 - saved across layers for the backward: the layer inputs the scan carries (always kept:
   MaxText's `decoder_layer_input`) and the named projections the remat policy saves
   (MaxText 0.2.5's `get_remat_policy`, read in layers/nnx_decoders.py);
-- the largest transient: the loss's float32 logits and their gradient over the vocabulary,
-  num_vocab_tiling chunks of the tokens at a time; or one layer's backward, which
+- the largest transient: the loss's logits and their gradient over the vocabulary, in
+  the head matmul's dtype (float32 with logits_dot_in_fp32, else the compute dtype: the
+  float32 cast MaxText's loss takes fuses into its reductions), num_vocab_tiling chunks
+  of the tokens at a time; or one layer's backward, which
   rematerialises the layer: its attention (the weights gathered in the compute dtype and
   their float32 gradient before the reduce-scatter, queries, keys and values gathered
   over the sequence shards, the output and the cotangents of each) plus its feed-forward
@@ -40,7 +42,7 @@ from .architecture import (
     is_qwen3_next,
     model_params,
 )
-from .config import DTYPE_BYTES, Config, Mode
+from .config import DTYPE_BYTES, Config, ContextStrategy, Mode
 from .mesh import MeshView
 from .per_device import PerDevice
 
@@ -72,7 +74,6 @@ REMAT_BY_MEMORY = (
     "minimal",
     "minimal_with_context",
 )
-LOGIT_BYTES = 4  # MaxText computes the logits and the loss in float32
 # MaxText 0.2.5's base.yml gdn_chunk_size: the Gated DeltaNet's chunk of tokens (read
 # from the config when it carries the key).
 GDN_CHUNK_SIZE = 64
@@ -253,7 +254,8 @@ def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     decoder has. Full attention: its weights gathered in the compute dtype (and their
     float32 gradient before the reduce-scatter, training); queries and output for the
     device's tokens, keys and values for every sequence shard's tokens (context
-    parallelism all-gathers them); their cotangents when training. Gated DeltaNet: its
+    parallelism all-gathers them; `gathered_shards` for the other strategies); their
+    cotangents when training. Gated DeltaNet: its
     weights likewise, and `gdn_bytes_per_token` for the device's tokens (its sequence
     stays sharded)."""
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
@@ -263,13 +265,29 @@ def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     weights = max((attention_params(cfg, i) for i in full or [0]), default=0) / hidden
     named = named_activations(cfg, full[0] if full else 0)
     q = named.get("query_proj", 0) + named.get("context", 0) + cfg.base_emb_dim
-    kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * mesh.cp
+    kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * gathered_shards(cfg, mesh)
     peak = layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
     if len(full) < cfg.base_num_decoder_layers:  # Gated DeltaNet layers
         gdn = layer_working_set(gated_delta_net_params(cfg) / hidden, 0.0, xb, train)
         gdn += tokens * gdn_bytes_per_token(cfg, mesh.cp, train) / hidden
         peak = max(peak, gdn)
     return peak
+
+
+def gathered_shards(cfg: Config, mesh: MeshView) -> int:
+    """Sequence shards' keys and values a device holds at once in one attention layer,
+    by MaxText's context_parallel_strategy: every shard's when all-gathered; its own and
+    the one arriving round a ring; under Ulysses the whole sequence for 1/cp of the
+    heads, the same bytes as its own shard (usp: Ulysses over context_usp_ulysses, the
+    other context axes all-gathered)."""
+    strategy = cfg.context_parallel_strategy
+    if strategy is ContextStrategy.ring:
+        return min(mesh.cp, 2)
+    if strategy is ContextStrategy.ulysses:
+        return 1
+    if strategy is ContextStrategy.usp:
+        return mesh.cp // max(mesh.size("context_usp_ulysses"), 1)
+    return mesh.cp
 
 
 def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
@@ -311,6 +329,7 @@ def step_memory(
     tokens = dev.tokens_per_device
     hidden = mesh.product(mesh.hidden_axes)
     logit_tokens = tokens / max(cfg.num_vocab_tiling, 1)
+    logit_bytes = 4 if cfg.logits_dot_in_fp32 else xb
     kv_cache = 0.0
     if not train:  # the cache of every sequence this device serves, split over cp
         cached = dev.local_batch * cfg.max_target_length / max(mesh.cp, 1)
@@ -326,7 +345,7 @@ def step_memory(
         ),
         kv_cache=kv_cache,
         saved_activations=tokens * saved_per_token(cfg) * xb if train else 0.0,
-        logits=logit_tokens * cfg.vocab_size / hidden * LOGIT_BYTES * (2 if train else 1),
+        logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
         attention_peak=attention_peak(cfg, mesh, tokens, train),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train),
     )

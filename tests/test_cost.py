@@ -162,7 +162,7 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     assert lower.render() == "per_device_batch_size=0.25"
     assert to_fsdp.render() == "ici_fsdp_parallelism=64 ici_context_parallelism=1"
     assert "ici_data_parallelism=4" in to_data.render()
-    held = [float(x.note.split("a device then holds ")[1].split(" GiB")[0]) for x in f.fixes]
+    held = [x.held_bytes for x in f.fixes]
     assert held == sorted(held) and held[1] * 2.5 < held[2]
 
 
@@ -500,13 +500,18 @@ def test_with_memory_puts_the_program_in_and_fits_at_the_chip_exactly():
 
     from selector.cost import with_memory
 
-    est = selector.resolve(typed()).chosen_estimate
+    cfg = typed()
+    est = selector.resolve(cfg).chosen_estimate
+
+    def chip(gib: float):
+        return dataclasses.replace(cfg.hardware, memory_gib=gib)
+
     bigger = dataclasses.replace(est.memory, temp=est.memory.temp + 2**20)
-    grown = with_memory(est, bigger, 1000.0)
+    grown = with_memory(est, bigger, chip(1000.0))
     assert grown.memory is bigger
     assert grown.device_bytes == pytest.approx(est.device_bytes + 2**20)
-    assert with_memory(est, bigger, grown.device_bytes / 2**30).fits
-    assert not with_memory(est, bigger, (grown.device_bytes - 1) / 2**30).fits
+    assert with_memory(est, bigger, chip(grown.device_bytes / 2**30)).fits
+    assert not with_memory(est, bigger, chip((grown.device_bytes - 1) / 2**30)).fits
 
 
 def test_a_tensor_split_across_slices_sums_its_partial_outputs_over_dcn():

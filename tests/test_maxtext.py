@@ -362,7 +362,7 @@ def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
     _, found = selector.api.analyse_any(imported.config)
     (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
     assert "param_dtype=bfloat16" in [x.render() for x in ours.fixes]
-    spelled = route_fixes(found, base, over, lambda c: selector.api.analyse_any(c)[1])
+    spelled = route_fixes(found, base, over, selector.api.analyse_any)
     (memory,) = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
     rendered = [x.render() for x in memory.fixes]
     assert "weight_dtype=bfloat16" in rendered and len(rendered) == len(ours.fixes)

@@ -76,7 +76,7 @@ def test_maxtexts_own_failure_is_refused_before_launch(maxtext_dir):
 
     found, codes = findings()
     assert "MAXTEXT_MESH_NOT_ON_TORUS" in codes
-    spelled = route_fixes(found, base, over, analyse)
+    spelled = route_fixes(found, base, over, selector.api.analyse_any)
     (torus_finding,) = [f for f in spelled if f.code == "MAXTEXT_MESH_NOT_ON_TORUS"]
     assert torus_finding.setting == "ici_context_parallelism"
     assert "context=2 is not the product" in torus_finding.message

@@ -4,7 +4,6 @@ import contextlib
 import dataclasses
 import io
 import math
-import re
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -301,40 +300,28 @@ def _lay_over(base: dict, overrides: dict) -> None:
             base[key] = value
 
 
-# Half a unit in the third significant digit: how far a `:.3g` number is from the value.
-SHOWN_PRECISION = 5e-3
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(configs(), plausible_configs(small_chips=True)))
 def test_every_proposed_fix_passes_the_next_check(cfg):
     """Apply each fix a finding offers: that finding is gone and no new error appears.
-    The fixes come lightest first: what a device then holds, as each fix's note says,
+    The fixes come lightest first: what a device then holds (each fix's held_bytes)
     never decreases down the list, and none is over the chip while another fits. A
     joint fix (offered first where two errors stand) leaves no error at all. Every
     error names a knob the config has."""
     before = selector.validate(cfg)
     errors_before = {f.code for f in before if f.severity.value == "error"}
     knobs = {f.name for f in dataclasses.fields(Config)}
-    chip_gib = cfg.hardware.memory_gib
     for finding in before:
         if finding.severity.value == "error":
             assert finding.setting.split(".")[0] in knobs, (finding.code, finding.setting)
         single = [f for f in finding.fixes if not f.note.startswith("clears ")]
-        held = [
-            float(m.group(1))
-            for fix in single
-            for m in [re.search(r"a device then holds ([\d.e+]+) GiB", fix.note)]
-            if m
-        ]
+        held = [fix.held_bytes for fix in single if fix.held_bytes is not None]
         assert held == sorted(held), (finding.code, held)
-        # The notes print 3 significant digits: a value shown as the chip's size may be
-        # just over it (fits is device_bytes <= chip), so "fits" is read to that precision.
-        if any(h <= chip_gib * (1 - SHOWN_PRECISION) for h in held):
-            assert all(h <= chip_gib * (1 + SHOWN_PRECISION) for h in held), (
+        # None over the chip while another fits, the joint fix included.
+        if any(fix.fits for fix in finding.fixes):
+            assert all(fix.fits is not False for fix in finding.fixes), (
                 finding.code,
-                held,
-                chip_gib,
+                [(fix.render(), fix.held_bytes, fix.fits) for fix in finding.fixes],
             )
         for fix in finding.fixes:
             after = selector.validate(apply_rendered(cfg, fix.render()))

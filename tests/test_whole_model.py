@@ -134,10 +134,13 @@ def test_breakdown_adds_up_and_the_knobs_move_their_parts():
     )
     assert parts["total"] == plan.chosen_estimate.device_bytes
     tokens = 4096  # 8 sequences of 4,096 over fsdp=8
-    # Logits and their gradient in float32, a quarter of the tokens at a time when tiled.
+    # Logits and their gradient in the head matmul's dtype (float32 by default here), a
+    # quarter of the tokens at a time when tiled; bfloat16 with logits_dot_in_fp32=false.
     assert parts["logits"] == 2 * tokens * 32000 * 4
     tiled, _ = analyse(selector.to_config(selector.compose([*base, "num_vocab_tiling=4"])))
     assert tiled.chosen_estimate.device_breakdown["logits"] == parts["logits"] / 4
+    bf16, _ = analyse(selector.to_config(selector.compose([*base, "logits_dot_in_fp32=false"])))
+    assert bf16.chosen_estimate.device_breakdown["logits"] == parts["logits"] / 2
     # remat_policy=full keeps each layer's bf16 input; minimal adds queries (32 x 128),
     # keys and values (8 x 128 each) and the attention output (4,096) a token.
     assert parts["saved_activations"] == 32 * tokens * 4096 * 2
@@ -343,3 +346,52 @@ def test_gpu_training_counts_the_expert_stacks_relaid_for_their_gather(mesh, rel
     assert cast("hardware=h200") - cast("hardware=v5p") == pytest.approx(extra, rel=1e-9)
     prefill = ("mode=prefill", "per_device_batch_size=1")
     assert cast("hardware=h200", *prefill) == pytest.approx(cast("hardware=v5p", *prefill))
+
+
+def test_attention_holds_the_keys_and_values_its_context_strategy_gathers():
+    """Mixtral (8 key-value heads of 128) at cp 4, 2,048 tokens a device, training: one
+    sequence shard's keys and values are 2,048 x 2 x 1,024 bfloat16 elements, and their
+    cotangents as many. MaxText's all_gather strategy holds all 4 shards'; a ring its
+    own and the arriving one; Ulysses the whole sequence for a quarter of the heads (one
+    shard's bytes); usp with context_usp_ulysses=2 all-gathers over the other 2."""
+    base = [
+        "model=mixtral_8x7b",
+        "mesh=h200_8",
+        "ici_fsdp_parallelism=2",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=8192",
+    ]
+
+    def peak(*more):
+        plan, _ = analyse(selector.to_config(selector.compose([*base, *more])))
+        return plan.chosen_estimate.device_breakdown["attention_peak"]
+
+    shard = 2 * (2048 * 2 * 8 * 128 * 2)  # keys and values, and their cotangents
+    gathered = peak()
+    assert peak("context_parallel_strategy=all_gather") == gathered
+    assert gathered - peak("context_parallel_strategy=ring") == 2 * shard
+    assert gathered - peak("context_parallel_strategy=ulysses") == 3 * shard
+    usp = [
+        "ici_context_parallelism=2",
+        "ici_context_usp_ulysses_parallelism=2",
+        "context_parallel_strategy=usp",
+    ]
+    assert gathered - peak(*usp) == 2 * shard
+
+
+def test_maxtext_keys_set_the_logits_dtype_and_the_context_strategy(maxtext_dir):
+    """logits_dot_in_fp32 and context_parallel_strategy are read from MaxText's files and
+    overrides (base.yml: false and all_gather)."""
+    base = str(maxtext_dir / "configs" / "base.yml")
+    common = ["model_name=mixtral-8x7b", "num_devices=8", "ici_context_parallelism=4"]
+    default = selector.from_maxtext(base, common).config
+    assert default.logits_dot_in_fp32 is False
+    assert default.context_parallel_strategy is selector.ContextStrategy.all_gather
+    fp32 = selector.from_maxtext(
+        base, [*common, "logits_dot_in_fp32=true", "context_parallel_strategy=ring"]
+    ).config
+    assert fp32.logits_dot_in_fp32 is True
+    assert fp32.context_parallel_strategy is selector.ContextStrategy.ring
+    plans = [analyse(c)[0].chosen_estimate.device_breakdown for c in (default, fp32)]
+    assert plans[1]["logits"] == 2 * plans[0]["logits"]

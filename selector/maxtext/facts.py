@@ -124,9 +124,10 @@ def _cp(mesh: MeshView) -> int:
     return mesh.product(("context", "context_usp_ulysses", "context_autoregressive"))
 
 
-# MaxText 0.2.5 measured from outside (shared/NOTES.md): its grouped-matmul paths on the
-# TPU compiler (jax 0.12.0.1, libtpu 0.0.50.1, 8 abstract v5p chips, compiled ahead of
-# time, not run; emb 2048, hidden 512, E=64, k=8, bf16, 4 x 8192 tokens, fsdp=2 x cp).
+# MaxText 0.2.5 measured from outside this repository (the team's notes): its
+# grouped-matmul paths on the TPU compiler (jax 0.12.0.1, libtpu 0.0.50.1, 8 abstract
+# v5p chips, compiled ahead of time, not run; emb 2048, hidden 512, E=64, k=8, bf16,
+# 4 x 8192 tokens, fsdp=2 x cp).
 MEGABLOX_CP_NOTE = (
     "MaxText's grouped matmul with cp={cp}: both of its paths keep the sequence sharded, as "
     "compiled by XLA:TPU (MaxText 0.2.5, jax 0.12.0.1, libtpu 0.0.50.1, 8 abstract v5p "

@@ -39,7 +39,7 @@ from ..config import (
     Mode,
     OutputFormat,
 )
-from ..findings import Finding, Fix, fix, render_value, warning
+from ..findings import Finding, Fix, fix, ranked_fixes, render_value, warning
 from ..mesh import build_mesh_view
 from .axis_rules import axis_rules
 from .facts import (
@@ -102,6 +102,8 @@ DIRECT_KEYS = {
     "gdn_num_value_heads": "gdn_num_value_heads",
     "remat_policy": "remat_policy",
     "num_vocab_tiling": "num_vocab_tiling",
+    "logits_dot_in_fp32": "logits_dot_in_fp32",
+    "context_parallel_strategy": "context_parallel_strategy",
 }
 PARALLELISM_KEYS = tuple(
     f"{tier}_{axis}_parallelism" for tier in ("ici", "dcn") for axis in MESH_AXES
@@ -340,6 +342,10 @@ def _hardware(raw: dict, conf_dir: Path, notes: list[str]) -> Hardware:
         options = ", ".join(sorted(p.stem for p in (conf_dir / "hardware").glob("*.yaml")))
         raise MaxTextError(f"chip={chip!r} is not a preset; use one of {options}.")
     hw = Hardware(**load_yaml(path))
+    # The verdict's margin is the one judged on MaxText's own compiled steps.
+    hw = dataclasses.replace(
+        hw, step_margin=hw.maxtext_step_margin, step_margin_source=hw.maxtext_step_margin_source
+    )
     if hw.platform != ("gpu" if platform.startswith("gpu") else platform):
         notes.append(f"chip={chip} is a {hw.platform} chip while hardware={platform}.")
     return hw
@@ -610,7 +616,7 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
             spelled.append((key, value))
         else:
             return None
-    return Fix(tuple(spelled), fix_.note)
+    return dataclasses.replace(fix_, overrides=tuple(spelled))
 
 
 def route_fixes(
@@ -618,30 +624,50 @@ def route_fixes(
 ) -> list[Finding]:
     """The findings with their fixes spelled in MaxText's keys, each kept only if the
     MaxText route itself accepts it: applied as one more `key=value` to the same file,
-    the finding goes away and no new error appears (`analyse(config)` gives the
-    findings of an imported config)."""
+    the finding goes away and no new error appears (`analyse(config)` gives the plan and
+    findings of an imported config). What a device then holds is the re-run's number
+    (MaxText's keys move more than ours: its optimizer state follows weight_dtype), and
+    the fixes are ranked by it."""
     before = {f.code for f in findings if f.severity.value == "error"}
     out = []
     for finding in findings:
         # The knob it names, in MaxText's spelling too.
-        finding = dataclasses.replace(finding, setting=maxtext_setting(finding.setting))
-        if not finding.fixes:
+        finding = dataclasses.replace(
+            finding,
+            setting=maxtext_setting(finding.setting),
+            # The chip is `chip=` here: `hardware` is MaxText's platform key.
+            no_fix=finding.no_fix.replace("(hardware=)", "(chip=)"),
+        )
+        if not (finding.fixes or finding.tried):
             out.append(finding)
             continue
         good = []
-        for candidate in finding.fixes:
+        # The joint fix (made from the kept fixes) first, then every fix the native
+        # check tried: one it dropped may clear the finding on this route.
+        joint = [f for f in finding.fixes if f.note.startswith("clears ")]
+        joint_text = {f.render() for f in joint}
+        tried = [f for f in finding.tried or finding.fixes if f.render() not in joint_text]
+        for candidate in [*joint, *tried]:
             spelled = spelled_for_maxtext(candidate)
             if spelled is None:
                 continue
             extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
             try:
                 imported = from_maxtext(path, [*overrides, *extra])
-                after = imported.findings + analyse(imported.config)
+                plan, found = analyse(imported.config)
+                after = imported.findings + found
             except (MaxTextError, ValueError, TypeError):
                 continue
             codes = {f.code for f in after}
             new_errors = {f.code for f in after if f.severity.value == "error"} - before
             if finding.code not in codes and not new_errors:
-                good.append(spelled)
-        out.append(finding.with_fixes(tuple(good)))
+                est = plan.chosen_estimate if plan is not None else None
+                good.append(
+                    dataclasses.replace(
+                        spelled,
+                        held_bytes=est.device_bytes if est else None,
+                        fits=est.fits if est else None,
+                    )
+                )
+        out.append(finding.with_fixes(ranked_fixes(good)))
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
-from ..cost import Estimate
+from ..cost import Estimate, Verdict
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView, fill_tier
 from ..per_device import PerDevice, capacity
@@ -137,26 +137,18 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
     """What one device holds for the whole step (`StepMemory`): every parameter's
     weights, gradients and optimizer state at rest, the activations saved across
     layers, and the largest transient (the logits, or one layer's attention and MoE
-    block), against the chip."""
-    if est.fits:
+    block), against the chip, its margin counted (`Estimate.device_range`): an error
+    only when even the range's bottom is over the chip; a warning, compile to be sure,
+    when the chip's size falls inside the range."""
+    if est.verdict is Verdict.yes:
         return []
     gib = 2**30
     parts = est.device_breakdown or {}
     at_rest = est.state_bytes if est.step is None else est.step.at_rest
-    activations = est.device_bytes - at_rest
-    state_bigger = at_rest >= activations
-    fixes = [
-        fix(param_dtype="bfloat16"),
-        fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
-        fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
-        fix(
-            expert_exchange=Exchange.all_to_all,
-            expert_group=ExpertGroup.expert_sequence_and_fsdp,
-        ),
-        *_more_slices(cfg, mesh),
-        *_lighter_step(cfg, parts),
-        *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
-    ]
+    state_bigger = at_rest >= est.device_bytes - at_rest
+    fixes = _memory_fixes(cfg, mesh, parts, state_bigger)
+    if est.verdict is Verdict.margin:
+        return [within_margin(cfg, est, fixes)]
     shown = ", ".join(
         f"{name.replace('_', ' ')} {parts[name] / gib:.3g}"
         for name in STEP_PARTS
@@ -185,6 +177,44 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
             "(hardware=) or a smaller model.",
         )
     ]
+
+
+def _memory_fixes(cfg: Config, mesh: MeshView, parts: dict, state_bigger: bool) -> list:
+    """Overrides that make a device hold less: weights stored in fewer bits, experts
+    exchanged, more slices, a lighter step, and (when the activations dominate) fewer
+    tokens a device."""
+    return [
+        fix(param_dtype="bfloat16"),
+        fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
+        fix(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert_and_sequence),
+        fix(
+            expert_exchange=Exchange.all_to_all,
+            expert_group=ExpertGroup.expert_sequence_and_fsdp,
+        ),
+        *_more_slices(cfg, mesh),
+        *_lighter_step(cfg, parts),
+        *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
+    ]
+
+
+def within_margin(cfg: Config, est: Estimate, fixes: list) -> Finding:
+    """The chip's size falls between what a device may hold at least and at most, given
+    how far the estimate has been from the compiler on its judge set."""
+    gib = 2**30
+    low, high = est.device_range(cfg.hardware)
+    under, over = cfg.hardware.step_margin
+    return warning(
+        "MEMORY_WITHIN_MARGIN",
+        "compile",
+        f"dispatch={est.name}: the whole step is estimated at {est.device_bytes / gib:.3g} "
+        f"GiB per device against the {cfg.hardware.memory_gib:g} GiB of a "
+        f"{cfg.hardware.name}; on its judge set ({cfg.hardware.step_margin_source}) the "
+        f"estimate has been up to {under:.0%} under and {over:.0%} over the compiled "
+        f"peak, so a device holds {low / gib:.3g} to {high / gib:.3g} GiB: within the "
+        "margin. Compile to be sure: add compile=true (the compiled step's peak then "
+        "decides), or take a fix that leaves room.",
+        fixes,
+    )
 
 
 def _lighter_step(cfg: Config, parts: dict) -> list:
