@@ -599,3 +599,62 @@ def test_qwen3_next_with_load_balanced_cp_is_refused_as_maxtext_refuses_it(base,
     assert status == 1 and f["fixes"] == ["context_parallel_load_balance=false"]
     status, _ = _route_json([*args, "context_parallel_load_balance=false"], capsys)
     assert status == 0
+
+
+def test_route_fix_previews_are_the_rerun_and_a_route_only_fix_is_found(base):
+    """Mixtral-8x7B on v5p-16 at cp 4 (per_device_batch_size 0.25, base.yml's float32
+    weights): MaxText's weight_dtype moves its optimizer state too, so on this route
+    each fix's preview is what re-reading the files with it gives, not what our key
+    would; a fix the native count dropped (over the chip there) is kept when the route's
+    re-run fits. Every fix offered is re-run here and must say the same bytes."""
+    from selector.maxtext import route_fixes
+
+    over = [
+        "model_name=mixtral-8x7b",
+        "compile_topology=v5p-16",
+        "ici_context_parallelism=4",
+        "ici_fsdp_parallelism=2",
+        "per_device_batch_size=0.25",
+    ]
+    imported = selector.from_maxtext(base, over)
+    _, found = selector.api.analyse_any(imported.config)
+    spelled = route_fixes(imported.findings + found, base, over, selector.api.analyse_any)
+    (memory,) = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
+    assert memory.fixes
+    for fix_ in memory.fixes:
+        extra = fix_.render().split()
+        plan, _ = selector.api.analyse_any(selector.from_maxtext(base, [*over, *extra]).config)
+        assert fix_.held_bytes == plan.chosen_estimate.device_bytes, fix_.render()
+        assert f"{fix_.held_bytes / 2**30:.3g} GiB" in memory.message
+    held = [f.held_bytes for f in memory.fixes]
+    assert held == sorted(held)
+    # The native preview of weight_dtype=bfloat16 keeps float32 moments; the route's
+    # re-run does not (MaxText's optimizer state follows weight_dtype).
+    (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    native = {x.render(): x.held_bytes for x in ours.fixes}
+    route = {x.render(): x.held_bytes for x in memory.fixes}
+    assert route["weight_dtype=bfloat16"] < native["param_dtype=bfloat16"]
+
+
+def test_a_fitting_joint_fix_drops_the_fixes_that_stay_over_the_chip(base):
+    """The README's MaxText case (Qwen3-Next, 8 chips, cp 4, per_device_batch_size 1)
+    has three errors; their joint fix fits a v5p, so no finding also offers a fix that
+    leaves a device over the chip (per_device_batch_size=0.25 alone: 175 GiB)."""
+    from selector.cli import main
+
+    args = [
+        f"maxtext_config={base}",
+        "model_name=qwen3-next-80b-a3b",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=1",
+        "max_target_length=8192",
+        "num_devices=8",
+    ]
+    imported = selector.from_maxtext(base, args[1:])
+    _, found = selector.api.analyse_any(imported.config)
+    errors = [f for f in found if f.severity.value == "error"]
+    assert len(errors) >= 2
+    for f in errors:
+        assert f.fixes[0].note.startswith("clears ") and f.fixes[0].fits, f.code
+        assert all(x.fits is not False for x in f.fixes), (f.code, [x.text() for x in f.fixes])
+    assert main(args) == 1
