@@ -43,6 +43,10 @@ JUDGES = {
     ("tpu", "maxtext"): (("judge_step",), ("v5p", "v5e", "v6e")),
 }
 FIELDS = {"native": "step_margin", "maxtext": "maxtext_step_margin"}
+MAXTEXT_STUDIES = ("judge_step", "maxtext_step")
+# Scored beside the judge sets but not in any margin: MaxText's compiles the count was
+# developed against (4,096 tokens a device).
+DEV_SETS = ("maxtext_step",)
 MARGIN_COMMENT = {
     "native": "# How far the whole-step estimate has been from this compiler's peak, [under,\n"
     "# over], on the native route's judge sets (written by python -m bench.margins --write).",
@@ -96,7 +100,7 @@ def judged_rows(study: str, base: str | None) -> list[dict]:
         compiled = row.get("peak_gib")
         if compiled is None or row.get("status") not in ("ok", "oom"):
             continue
-        if study == "judge_step":
+        if study in MAXTEXT_STUDIES:
             if base is None:
                 continue
             est = maxtext_estimate(row, base) / GIB
@@ -217,7 +221,22 @@ def main(argv=None) -> None:
                 ],
             )
         )
-    json_path, png_path = save(STUDY, {"study": STUDY, "judged": judged}, plot(judged))
+    dev = {study: judged_rows(study, base) for study in DEV_SETS}
+    for study, rows in dev.items():
+        print(f"== {study} (development set, no margin): {len(rows)} points")
+        print(
+            table(
+                rows,
+                [
+                    ("point", "point"),
+                    ("compiled_gib", "compiled GiB"),
+                    ("estimate_gib", "estimate GiB"),
+                    ("error", "est / compiled - 1"),
+                ],
+            )
+        )
+    payload = {"study": STUDY, "judged": judged, "development": dev}
+    json_path, png_path = save(STUDY, payload, plot(judged))
     print(f"wrote {json_path} and {png_path}")
     if args.write:
         for path in write_conf(judged):

@@ -4,6 +4,7 @@ recounted here), and no verdict disagrees with a compiler outside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -112,13 +113,15 @@ def test_a_sweep_exits_with_its_worst_job():
     assert worst(EXIT_USAGE, EXIT_MARGIN) == EXIT_USAGE
 
 
-def test_a_compiled_step_speaks_without_a_margin():
-    """Once the whole step is compiled, what a device holds is the compiled peak: the
-    range is that one number."""
+def test_the_range_is_the_estimate_over_the_margin_and_a_compiled_step_has_none():
+    """What a device may hold: the estimate over (1 + over) to the estimate over
+    (1 - under). Once the whole step is compiled, the compiled peak alone."""
     cfg = selector.to_config(selector.compose(["model=qwen3_30b_a3b", "mesh=v5p_128"]))
     est = selector.resolve(cfg).chosen_estimate
-    import dataclasses
 
     compiled = dataclasses.replace(est, compiled_step_bytes=50 * GIB)
     assert compiled.device_range(cfg.hardware) == (50 * GIB, 50 * GIB)
-    assert est.device_range(cfg.hardware)[0] < est.device_bytes < est.device_range(cfg.hardware)[1]
+    under, over = preset("v5p")["step_margin"]
+    low, high = est.device_range(cfg.hardware)
+    assert low == pytest.approx(est.device_bytes / (1 + over))
+    assert high == pytest.approx(est.device_bytes / (1 - under))
