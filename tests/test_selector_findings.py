@@ -337,7 +337,9 @@ def test_every_rule_code_is_covered():
 
     root = Path(selector.__file__).parent
     sources = "".join(p.read_text() for p in sorted(root.rglob("*.py")))
-    emitted = set(re.findall(r'(?:error|warning)\(\s*"([A-Z][A-Z_]+)"', sources))
+    # (?!XX): under mutation testing the source holds mutmut's copies of each function,
+    # whose strings it wraps in XX...XX; those are not codes.
+    emitted = set(re.findall(r'(?:error|warning)\(\s*"(?!XX)([A-Z][A-Z_]+)"', sources))
     assert len(emitted) > 50  # the pattern still finds them
     tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
     # A code is covered by a CASES entry or named, quoted, by some test.
