@@ -126,3 +126,20 @@ def test_the_range_is_the_estimate_over_the_margin_and_a_compiled_step_has_none(
     low, high = est.device_range(cfg.hardware)
     assert low == pytest.approx(est.device_bytes / (1 + over))
     assert high == pytest.approx(est.device_bytes / (1 - under))
+
+
+def test_the_readme_and_the_study_quote_todays_judge_scores(judged):
+    """The numbers the README and docs/results/margins.md quote for the MaxText route's
+    judge set are today's: how many points lie within 10%, and the margin."""
+    entry = judged["tpu/maxtext"]
+    within = sum(abs(r["error"]) <= 0.10 for r in entry["rows"])
+    n = len(entry["rows"])
+    under, over = entry["margin"]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    study = " ".join((REPO / "docs" / "results" / "margins.md").read_text().split())
+    assert f"{within} of {n} within 10%" in readme
+    assert f"-{under:.0%}/+{over:.0%}" in readme
+    assert f"| {within} of {n} |" in study
+    assert f"| [{under:g}, {over:g}] |" in study
+    for name, other in judged.items():
+        assert f"[{other['margin'][0]:g}, {other['margin'][1]:g}]" in study, name
