@@ -395,3 +395,103 @@ def test_maxtext_keys_set_the_logits_dtype_and_the_context_strategy(maxtext_dir)
     assert fp32.context_parallel_strategy is selector.ContextStrategy.ring
     plans = [analyse(c)[0].chosen_estimate.device_breakdown for c in (default, fp32)]
     assert plans[1]["logits"] == 2 * plans[0]["logits"]
+
+
+# Mixtral's attention by hand: 32 query heads and 8 key-value heads of 128, emb 4,096.
+# Elements a token of each checkpoint name (MaxText 0.2.5's get_remat_policy); Mixtral's
+# layers are all MoE layers, whose expert activations no policy saves.
+_MIXTRAL_NAMES = {"query_proj": 4096, "key_proj": 1024, "value_proj": 1024}
+_MIXTRAL_NAMES |= {"out_proj": 4096, "context": 4096}
+REMAT_HAND = {
+    "full": (),
+    "minimal": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "minimal_with_context": ("query_proj", "key_proj", "value_proj", "out_proj", "context"),
+    "minimal_flash": ("query_proj", "key_proj", "value_proj", "out_proj", "context"),
+    "save_dot_with_context_except_mlp": (
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        "context",
+        "out_proj",
+    ),
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_out_proj": ("out_proj",),
+    "qkv_proj_offloaded": (),
+    "minimal_offloaded": (),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(REMAT_HAND))
+def test_every_remat_policy_maxtext_ships_saves_what_it_names(policy):
+    """32 Mixtral layers, 4,096 tokens a device, bfloat16: each layer's input (4,096 a
+    token) plus what the policy names."""
+    base = ["model=mixtral_8x7b", "mesh=h200_8", "per_device_batch_size=1"]
+    base += ["max_target_length=4096", f"remat_policy={policy}"]
+    plan, _ = analyse(selector.to_config(selector.compose(base)))
+    saved = plan.chosen_estimate.device_breakdown["saved_activations"]
+    per_token = 4096 + sum(_MIXTRAL_NAMES[n] for n in REMAT_HAND[policy])
+    assert saved == 32 * 4096 * per_token * 2
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 1536])
+def test_mla_counted_by_hand_with_and_without_a_query_low_rank(q_lora_rank):
+    """DeepSeek-V3's attention with its 1,536 query bottleneck (and the bottleneck's
+    norm), and without one (one 7168 -> 128 x 192 projection), MaxText's MLA."""
+    cfg = ["model=deepseek_v3", f"q_lora_rank={q_lora_rank}"]
+    params = model_params(selector.to_config(selector.compose(cfg)))
+    query = 7168 * 1536 + 1536 + 1536 * 128 * 192 if q_lora_rank else 7168 * 128 * 192
+    mla = query + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert params.attention == 61 * mla
+
+
+def test_a_tied_embedding_is_counted_once():
+    """logits_via_embedding: the head is the embedding, not a second vocab x emb matrix;
+    the step's weights, gradients and optimizer state shrink by that matrix's share."""
+    base = ["model=mixtral_8x7b", "mesh=h200_8", "per_device_batch_size=1"]
+    base += ["max_target_length=4096"]
+    untied = selector.to_config(selector.compose(base))
+    tied = selector.to_config(selector.compose([*base, "logits_via_embedding=true"]))
+    head = 32000 * 4096
+    assert model_params(untied).total - model_params(tied).total == head
+    assert model_params(tied).head == 0 and model_params(untied).head == head
+    parts = [analyse(c)[0].chosen_estimate.device_breakdown for c in (untied, tied)]
+    # float32 weights, gradients and two float32 moments, split over the 8 devices.
+    for name, per_param in (("weights", 4), ("gradients", 4), ("optimizer", 8)):
+        assert parts[0][name] - parts[1][name] == pytest.approx(head * per_param / 8), name
+
+
+@pytest.mark.parametrize("param_dtype,width", [("float32", 4), ("bfloat16", 2)])
+def test_state_rests_split_as_the_weights_are_over_a_data_axis(param_dtype, width):
+    """Mixtral on 8 H200s as data 2 x fsdp 4, the experts gathered: the data axis
+    replicates, so every parameter rests split 4 ways in param_dtype, its gradient as
+    its weight, and the optimizer's optimizer_bytes_per_param (8: two float32 moments,
+    whatever the weights' dtype) over the same 4."""
+    over = ["model=mixtral_8x7b", "mesh=h200_8", "ici_data_parallelism=2"]
+    over += ["ici_fsdp_parallelism=4", "per_device_batch_size=1", "max_target_length=4096"]
+    over += ["expert_exchange=gather", f"param_dtype={param_dtype}"]
+    cfg = selector.to_config(selector.compose(over))
+    assert cfg.optimizer_bytes_per_param == 8
+    total = model_params(cfg).total
+    parts = analyse(cfg)[0].chosen_estimate.device_breakdown
+    assert parts["weights"] == pytest.approx(total * width / 4)
+    assert parts["gradients"] == pytest.approx(parts["weights"])
+    assert parts["optimizer"] == pytest.approx(total * 8 / 4)
+
+
+def test_the_cp_fix_for_memory_lowers_the_per_device_batch_with_it():
+    """Qwen3-30B-A3B, 16 H100s, one 65,536-token sequence a device: the logits exceed
+    the chip. Moving fsdp devices to context is offered with the per-device batch cut by
+    the same factor (else each batch shard would hold more sequences: inflation), and a
+    device then holds 1/cp of the tokens."""
+    base = ["model=qwen3_30b_a3b", "num_devices=16", "hardware=h100"]
+    base += ["per_device_batch_size=1", "max_target_length=65536", "param_dtype=bfloat16"]
+    plan, found = analyse(selector.to_config(selector.compose(base)))
+    (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    moves = {x.render() for x in memory.fixes if "ici_context_parallelism" in x.render()}
+    two = "ici_fsdp_parallelism=8 ici_context_parallelism=2 per_device_batch_size=0.5"
+    four = "ici_fsdp_parallelism=4 ici_context_parallelism=4 per_device_batch_size=0.25"
+    assert {two, four} <= moves, moves
+    after, _ = analyse(selector.to_config(selector.compose([*base, *four.split()])))
+    assert after.per_device.tokens_per_device == 65536 / 4
