@@ -495,3 +495,61 @@ def test_the_cp_fix_for_memory_lowers_the_per_device_batch_with_it():
     assert {two, four} <= moves, moves
     after, _ = analyse(selector.to_config(selector.compose([*base, *four.split()])))
     assert after.per_device.tokens_per_device == 65536 / 4
+
+
+def test_deepseek_v3_saves_its_latent_attention_and_dense_mlp_names_by_hand():
+    """remat_policy=minimal on DeepSeek-V3 (61 layers, 3 of them dense), 1,024 tokens a
+    device: every layer's input (7,168 a token) plus MLA's query and key projections
+    (128 heads x 192), its values (128 x 128) and out_proj (7,168), and in the 3 dense
+    layers their MLP's two up projections (18,432 each) and down projection (7,168)."""
+    over = ["model=deepseek_v3", "mesh=v5p_128", "per_device_batch_size=0.25"]
+    over += ["max_target_length=4096", "param_dtype=bfloat16"]
+    full, _ = analyse(selector.to_config(selector.compose([*over, "remat_policy=full"])))
+    minimal, _ = analyse(selector.to_config(selector.compose([*over, "remat_policy=minimal"])))
+    tokens = 1024
+    attention = 128 * 192 + 128 * 192 + 128 * 128 + 7168
+    mlp = 18432 + 18432 + 7168
+    per_token = 61 * 7168 + 61 * attention + 3 * mlp
+    saved = minimal.chosen_estimate.device_breakdown["saved_activations"]
+    assert saved == tokens * per_token * 2
+    assert full.chosen_estimate.device_breakdown["saved_activations"] == tokens * 61 * 7168 * 2
+
+
+def test_gated_deltanet_serving_bytes_a_token_by_hand():
+    """Serving (no backward) a Gated DeltaNet layer holds, a token: the chunk scan's
+    inputs w, u, q, k and the gate z in bfloat16 (the layer input 2,048, three of 32 x
+    128 repeated to the value heads, and two of 32 x 128 values) and its float32 output
+    (32 x 128)."""
+    from selector.step_memory import gdn_bytes_per_token
+
+    cfg = selector.to_config(selector.compose(["model=qwen3_next_80b_a3b", "mode=prefill"]))
+    assert gdn_bytes_per_token(cfg, 1, False) == 2 * (2048 + 3 * 4096 + 2 * 4096) + 4 * 4096
+
+
+def test_the_attention_activations_split_over_the_tensor_axis():
+    """Mixtral's attention at cp 4 with tensor 2 (one 8,192-token sequence over 8
+    H200s): the keys and values one all_gather layer holds beyond a ring's, 2 shards of
+    2,048 tokens with their cotangents, are split over the 2 tensor devices (heads)."""
+    base = ["model=mixtral_8x7b", "mesh=h200_8", "ici_fsdp_parallelism=1"]
+    base += ["ici_context_parallelism=4", "ici_tensor_parallelism=2"]
+    base += ["per_device_batch_size=0.125", "max_target_length=8192"]
+
+    def peak(*more):
+        plan, _ = analyse(selector.to_config(selector.compose([*base, *more])))
+        return plan.chosen_estimate.device_breakdown["attention_peak"]
+
+    shard = 2 * (2048 * 2 * 8 * 128 * 2) / 2
+    assert peak() - peak("context_parallel_strategy=ring") == 2 * shard
+
+
+def test_float32_weights_over_the_chip_are_offered_bfloat16_storage():
+    """The native route's memory fixes include storing the weights in bfloat16, checked:
+    Mixtral on 8 v5p chips with 12 sequences of 2,048 a device (float32 weights)."""
+    over = ["model=mixtral_8x7b", "hardware=v5p", "num_devices=8"]
+    over += ["per_device_batch_size=12", "max_target_length=2048", "param_dtype=float32"]
+    _, found = analyse(selector.to_config(selector.compose(over)))
+    (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    rendered = [x.render() for x in memory.fixes]
+    assert {"param_dtype=bfloat16", "param_dtype=float8_e4m3fn"} <= set(rendered), rendered
+    # More slices, the new chips splitting the weights; the dcn data fill written out.
+    assert "num_devices=16 num_slices=2 dcn_data_parallelism=1 dcn_fsdp_parallelism=2" in rendered
