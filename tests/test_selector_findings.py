@@ -1,5 +1,7 @@
 """Each finding: one config that triggers it and a near one that does not."""
 
+import dataclasses
+
 import pytest
 from helpers import codes, typed
 
@@ -323,6 +325,13 @@ def test_finding_triggers_and_near_miss_does_not(code, severity, trigger, near):
     assert hits, f"{code} not raised; got {codes(found)}"
     assert hits[0].severity is Severity(severity)
     assert hits[0].setting and len(hits[0].message) > 40
+    # The setting names a knob of the config (a nested one by its root).
+    knobs = {f.name for f in dataclasses.fields(selector.Config)}
+    assert hits[0].setting.split(".")[0] in knobs, hits[0].setting
+    if code in ("CAPACITY_ZERO", "CAPACITY_BELOW_ONE"):
+        assert hits[0].fixes, f"{code} offers no fix"
+    if hits[0].severity is Severity.error:  # a fix that works, or why there is none
+        assert hits[0].fixes or hits[0].no_fix, code
     # The near config is valid, so the rule really ran on it and stayed quiet.
     near_found = selector.validate(typed(*near))
     assert code not in codes(near_found)

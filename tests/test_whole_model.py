@@ -489,6 +489,7 @@ def test_the_cp_fix_for_memory_lowers_the_per_device_batch_with_it():
     base += ["per_device_batch_size=1", "max_target_length=65536", "param_dtype=bfloat16"]
     plan, found = analyse(selector.to_config(selector.compose(base)))
     (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    assert memory.setting == "per_device_batch_size"  # the activations dominate
     moves = {x.render() for x in memory.fixes if "ici_context_parallelism" in x.render()}
     two = "ici_fsdp_parallelism=8 ici_context_parallelism=2 per_device_batch_size=0.5"
     four = "ici_fsdp_parallelism=4 ici_context_parallelism=4 per_device_batch_size=0.25"
@@ -549,7 +550,21 @@ def test_float32_weights_over_the_chip_are_offered_bfloat16_storage():
     over += ["per_device_batch_size=12", "max_target_length=2048", "param_dtype=float32"]
     _, found = analyse(selector.to_config(selector.compose(over)))
     (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    assert memory.setting == "param_dtype"  # the state at rest dominates
     rendered = [x.render() for x in memory.fixes]
     assert {"param_dtype=bfloat16", "param_dtype=float8_e4m3fn"} <= set(rendered), rendered
     # More slices, the new chips splitting the weights; the dcn data fill written out.
     assert "num_devices=16 num_slices=2 dcn_data_parallelism=1 dcn_fsdp_parallelism=2" in rendered
+
+
+def test_a_dense_layer_trains_with_its_gathered_weights_float32_gradient_and_cotangents():
+    """DeepSeek-V3's dense SwiGLU layer (7,168 -> 18,432) at its backward, 1,024 tokens a
+    device on 64 chips (tensor 1): its three matrices gathered in bfloat16 plus their
+    float32 gradient, and its activations (three 18,432-wide and the 7,168 output a
+    token, bfloat16) with a cotangent each."""
+    over = ["model=deepseek_v3", "mesh=v5p_128", "per_device_batch_size=0.25"]
+    over += ["max_target_length=4096", "param_dtype=bfloat16"]
+    plan, _ = analyse(selector.to_config(selector.compose(over)))
+    weights = 3 * 7168 * 18432
+    acts = 1024 * (3 * 18432 + 7168) * 2
+    assert plan.chosen_estimate.device_breakdown["dense_ffn_peak"] == weights * (2 + 4) + 2 * acts
