@@ -66,6 +66,9 @@ def test_qwen3_next_counted_layer_by_layer():
     assert params.total - params.attention - experts - params.moe_other == (
         2 * 151936 * 2048 + 48 * 2 * 2048 + 2048
     )
+    # The full-attention layer is the last of each cycle of 4: six layers hold one.
+    six = model_params(cfg.replace(base_num_decoder_layers=6))
+    assert six.attention == full + 5 * linear
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
