@@ -31,6 +31,7 @@ REPORTED = [
 # unsharded). Nothing may come from base.yml's own defaults.
 MODEL_FINDINGS = {
     "MEMORY_EXCEEDED",
+    "MEMORY_WITHIN_MARGIN",  # the route's margin: compile to be sure
     "EMBED_NOT_DIVISIBLE",
     "MAXTEXT_ROUTING_NOT_IN_BLOCK",
     "MAXTEXT_AXIS_USED_TWICE",
@@ -619,7 +620,9 @@ def test_route_fix_previews_are_the_rerun_and_a_route_only_fix_is_found(base):
     imported = selector.from_maxtext(base, over)
     _, found = selector.api.analyse_any(imported.config)
     spelled = route_fixes(imported.findings + found, base, over, selector.api.analyse_any)
-    (memory,) = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
+    # 104 GiB estimated: with the route's margin (v5p -27%/+29%) within the margin.
+    memory_codes = ("MEMORY_EXCEEDED", "MEMORY_WITHIN_MARGIN")
+    (memory,) = [f for f in spelled if f.code in memory_codes]
     assert memory.fixes
     for fix_ in memory.fixes:
         extra = fix_.render().split()
@@ -628,12 +631,13 @@ def test_route_fix_previews_are_the_rerun_and_a_route_only_fix_is_found(base):
         assert f"{fix_.held_bytes / 2**30:.3g} GiB" in memory.message
     held = [f.held_bytes for f in memory.fixes]
     assert held == sorted(held)
-    # The native preview of weight_dtype=bfloat16 keeps float32 moments; the route's
-    # re-run does not (MaxText's optimizer state follows weight_dtype).
-    (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
-    native = {x.render(): x.held_bytes for x in ours.fixes}
-    route = {x.render(): x.held_bytes for x in memory.fixes}
-    assert route["weight_dtype=bfloat16"] < native["param_dtype=bfloat16"]
+    # Our key keeps float32 moments, so natively param_dtype=bfloat16 leaves the step
+    # within the margin and the native check drops it; MaxText's weight_dtype moves the
+    # optimizer state too, and the route's re-run of the fix it tried keeps it.
+    (ours,) = [f for f in found if f.code in memory_codes]
+    assert "param_dtype=bfloat16" not in [x.render() for x in ours.fixes]
+    assert "param_dtype=bfloat16" in [x.render() for x in ours.tried]
+    assert "weight_dtype=bfloat16" in [x.render() for x in memory.fixes]
 
 
 def test_a_fitting_joint_fix_drops_the_fixes_that_stay_over_the_chip(base):
