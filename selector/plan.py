@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import rules, targets
 from .config import Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
-from .findings import Finding, Fix, Severity, errors_in, warning
+from .findings import Finding, Fix, Severity, errors_in, ranked_fixes, warning
 from .mesh import MeshView, build_mesh_view
 from .per_device import PerDevice, per_device
 from .placement import WeightPlacement, describe
@@ -207,10 +207,7 @@ def _verified(
             est = plan.chosen_estimate if plan is not None else None
             good.append((fix_, est))
             clears_all = clears_all or not errors_in(after)
-    if any(est is not None and est.fits for _, est in good):
-        good = [(f, est) for f, est in good if est is None or est.fits]
-    good.sort(key=lambda pair: pair[1].device_bytes if pair[1] is not None else float("inf"))
-    checked = finding.with_fixes(tuple(_with_device_note(f, est) for f, est in good))
+    checked = finding.with_fixes(ranked_fixes([_with_device_note(f, est) for f, est in good]))
     return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all
 
 
