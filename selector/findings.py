@@ -47,6 +47,7 @@ class Fix:
     # from the analysis of the fixed config; None when it was not estimated.
     held_bytes: float | None = None
     fits: bool | None = None
+    joint: bool = False  # one fix per error merged, offered first on each it clears
 
     def render(self) -> str:
         return " ".join(f"{k}={render_value(v)}" for k, v in self.overrides)
@@ -63,8 +64,8 @@ def ranked_fixes(fixes: list[Fix]) -> tuple[Fix, ...]:
     that leave it over are dropped. A joint fix ("clears A and B together") stays first."""
     if any(f.fits for f in fixes):
         fixes = [f for f in fixes if f.fits is not False]
-    joint = [f for f in fixes if f.note.startswith("clears ")]
-    single = [f for f in fixes if not f.note.startswith("clears ")]
+    joint = [f for f in fixes if f.joint]
+    single = [f for f in fixes if not f.joint]
     single.sort(key=lambda f: f.held_bytes if f.held_bytes is not None else float("inf"))
     return (*joint, *single)
 

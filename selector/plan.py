@@ -243,14 +243,12 @@ def _with_joint_fixes(cfg: Config, live_shape, findings: list[Finding]) -> list[
         return findings
     _, merged, est = best
     codes = " and ".join(f.code for f in errors)
-    joint = _with_device_note(Fix(tuple(merged.items()), f"clears {codes} together"), est)
-
-    def offered(f: Finding) -> Finding:
-        # As in _verified: once a fix fits the chip, those that leave it over are dropped.
-        rest = [x for x in f.fixes if x.fits is not False] if joint.fits else list(f.fixes)
-        return f.with_fixes((joint, *rest))
-
-    return [offered(f) if f.severity is Severity.error else f for f in findings]
+    joint = Fix(tuple(merged.items()), f"clears {codes} together", joint=True)
+    joint = _with_device_note(joint, est)
+    return [
+        f.with_fixes(ranked_fixes([joint, *f.fixes])) if f.severity is Severity.error else f
+        for f in findings
+    ]
 
 
 def _with_device_note(fix_, est: Estimate | None):

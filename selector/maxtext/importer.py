@@ -644,7 +644,7 @@ def route_fixes(
         good = []
         # The joint fix (made from the kept fixes) first, then every fix the native
         # check tried: one it dropped may clear the finding on this route.
-        joint = [f for f in finding.fixes if f.note.startswith("clears ")]
+        joint = [f for f in finding.fixes if f.joint]
         joint_text = {f.render() for f in joint}
         tried = [f for f in finding.tried or finding.fixes if f.render() not in joint_text]
         for candidate in [*joint, *tried]:
