@@ -5,7 +5,9 @@ Rows past sum(group_sizes) come out zero.
 
 Backends (the plan's `gmm_backend`): `pallas_megablox` on TPU (the Pallas kernel),
 `ragged_dot` (XLA's native op; on CPU it becomes a masked copy of the input per expert
-and a dense product over all experts: E times the FLOPs and memory), and `tiled_gmm`,
+and a dense product over all experts: E times the FLOPs and memory), `tokamax`
+(tokamax's ragged_dot: its Mosaic GPU or Triton kernel on GPU, XLA's op elsewhere; an
+optional package, Python >= 3.12), and `tiled_gmm`,
 ours, for CPU and anywhere without a native kernel:
 
 - each expert's rows are read in place with dynamic slices, in full tiles of 512 rows,
@@ -262,7 +264,7 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None
       x_RK: rows sorted by group (expert), (R, K).
       w_EKN: one (K, N) matrix per group, (E, K, N).
       group_sizes_E: rows of each group, (E,) int; rows past their sum come out zero.
-      backend: "tiled_gmm", "ragged_dot" or "pallas_megablox".
+      backend: "tiled_gmm", "ragged_dot", "pallas_megablox" or "tokamax".
       platform: the platform of the mesh the program is compiled for (`pallas_megablox`
         runs natively on "tpu", in Pallas interpret mode elsewhere); default: JAX's
         backend.
@@ -289,4 +291,10 @@ def gmm(x_RK, w_EKN, group_sizes_E, backend: str = "tiled_gmm", *, platform=None
         platform = jax.default_backend() if platform is None else platform
         tile = {} if row_tile is None else {"row_tile": row_tile}
         return pallas_gmm(x_RK, w_EKN, group_sizes_E, interpret=platform != "tpu", **tile)
-    raise ValueError(f"unknown gmm backend {backend!r}: tiled_gmm, ragged_dot or pallas_megablox")
+    if backend == "tokamax":
+        import tokamax  # optional: the selector refuses gmm_backend=tokamax without it
+
+        return tokamax.ragged_dot(x_RK, w_EKN, group_sizes_E)
+    raise ValueError(
+        f"unknown gmm backend {backend!r}: tiled_gmm, ragged_dot, pallas_megablox or tokamax"
+    )

@@ -41,6 +41,7 @@ class GmmBackend(str, enum.Enum):
     tiled_gmm = "tiled_gmm"  # ours: pure JAX, tiles read in place, custom VJP
     ragged_dot = "ragged_dot"  # XLA's op (dense work over every group on XLA:GPU, CPU)
     pallas_megablox = "pallas_megablox"  # JAX's Pallas TPU kernels (interpret mode elsewhere)
+    tokamax = "tokamax"  # tokamax's ragged_dot (GPU kernels; optional package)
 
 
 class Mode(str, enum.Enum):

@@ -19,8 +19,8 @@ from .tiling import choose as choose_tiling
 
 # Row tile of each backend. The Pallas kernels and tiled_gmm are counted from their own
 # tile plans (selector.tiles); ragged_dot on TPU is XLA's lowering, whose plan we have
-# not read, so it is priced at half a 128-row tile per expert.
-GMM_TAIL_ROWS = {"pallas_megablox": 128, "ragged_dot": 128, "tiled_gmm": 64}
+# not read, so it is priced at half a 128-row tile per expert, as is tokamax's kernel.
+GMM_TAIL_ROWS = {"pallas_megablox": 128, "ragged_dot": 128, "tiled_gmm": 64, "tokamax": 128}
 
 
 def gmm_backend(cfg: Config) -> str:

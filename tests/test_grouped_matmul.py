@@ -153,22 +153,27 @@ def test_pallas_megablox_pads_rows_to_its_tile(sizes):
     """Decode-sized (3 rows) and ragged (200 rows) counts, neither a multiple of the
     128-row tile: the Pallas kernel (interpret mode on CPU) pads and drops the padding,
     and agrees with tiled_gmm forward and backward."""
-    rows = sum(sizes)
+    assert_agrees_with_tiled_gmm("pallas_megablox", sizes, rows=sum(sizes), hidden=128)
+
+
+def assert_agrees_with_tiled_gmm(backend: str, sizes, rows: int, hidden: int) -> None:
+    """`backend`'s rows, input gradient and weight gradient equal tiled_gmm's (rows past
+    the groups' sum included)."""
     x = jax.random.normal(jax.random.key(0), (rows, 64))
-    w = jax.random.normal(jax.random.key(1), (len(sizes), 64, 128))
-    dy = jax.random.normal(jax.random.key(2), (rows, 128))
+    w = jax.random.normal(jax.random.key(1), (len(sizes), 64, hidden))
+    dy = jax.random.normal(jax.random.key(2), (rows, hidden))
     gs = jnp.asarray(sizes, jnp.int32)
 
-    def loss(backend):
-        return lambda x, w: jnp.sum(gmm(x, w, gs, backend) * dy)
+    def loss(name):
+        return lambda x, w: jnp.sum(gmm(x, w, gs, name) * dy)
 
-    y = gmm(x, w, gs, "pallas_megablox")
-    assert y.shape == (rows, 128)
-    assert_close(y, gmm(x, w, gs, "tiled_gmm"), what="pallas forward")
-    got = jax.grad(loss("pallas_megablox"), argnums=(0, 1))(x, w)
+    y = gmm(x, w, gs, backend)
+    assert y.shape == (rows, hidden)
+    assert_close(y, gmm(x, w, gs, "tiled_gmm"), what=f"{backend} forward")
+    got = jax.grad(loss(backend), argnums=(0, 1))(x, w)
     want = jax.grad(loss("tiled_gmm"), argnums=(0, 1))(x, w)
-    assert_close(got[0], want[0], what="pallas dx")
-    assert_close(got[1], want[1], what="pallas dw")
+    assert_close(got[0], want[0], what=f"{backend} dx")
+    assert_close(got[1], want[1], what=f"{backend} dw")
 
 
 def _recording_kernels(monkeypatch):
@@ -298,3 +303,12 @@ def test_weight_grad_into_adds_only_the_experts_with_rows(backend):
         if n == 0:
             np.testing.assert_array_equal(got[e], np.asarray(acc)[e], err_msg=f"expert {e}")
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_backend_matches_tiled_gmm_forward_and_backward():
+    """gmm_backend=tokamax (tokamax's ragged_dot, an optional package: the 3.12 stack
+    installs it) gives tiled_gmm's rows and gradients, empty groups and spare rows
+    included."""
+    pytest.importorskip("tokamax")
+    sizes = [70, 0, 33, 5]
+    assert_agrees_with_tiled_gmm("tokamax", sizes, rows=sum(sizes) + 12, hidden=96)

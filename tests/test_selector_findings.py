@@ -516,3 +516,23 @@ def test_sizes_past_the_count_are_refused_at_their_bound():
     edge = typed(f"max_target_length={seq}", f"per_device_batch_size={MAX_TOKENS // seq}")
     assert "VALUE_TOO_LARGE" not in codes(selector.validate(edge))
     assert codes(selector.validate(typed("per_device_batch_size=inf"))) == {"VALUE_NOT_FINITE"}
+
+
+def test_tokamax_backend_without_the_package_is_refused(monkeypatch):
+    """gmm_backend=tokamax where tokamax is not installed: an error naming the setting
+    and the install, not an ImportError when the layer first runs."""
+    from selector.rules import settings as rule_settings
+
+    real = rule_settings.importlib.util.find_spec
+    monkeypatch.setattr(
+        rule_settings.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tokamax" else real(name, *a),
+    )
+    found = selector.validate(typed("mesh=h100_8", "gmm_backend=tokamax"))
+    hit = [f for f in found if f.code == "GMM_BACKEND_MISSING"]
+    assert hit and hit[0].severity is Severity.error and hit[0].setting == "gmm_backend"
+    assert "pip install tokamax" in hit[0].message
+    assert "GMM_BACKEND_MISSING" not in codes(
+        selector.validate(typed("mesh=h100_8", "gmm_backend=auto"))
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend, Hardware
@@ -289,6 +290,17 @@ def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
                 f"gmm_backend=pallas_megablox is JAX's Pallas kernel for TPUs; "
                 f"hardware={cfg.hardware.name} is a GPU, which cannot run it.",
                 [fix(gmm_backend=GmmBackend.tiled_gmm), fix(gmm_backend=GmmBackend.auto)],
+            )
+        ]
+    if backend is GmmBackend.tokamax and importlib.util.find_spec("tokamax") is None:
+        return [
+            error(
+                "GMM_BACKEND_MISSING",
+                "gmm_backend",
+                "gmm_backend=tokamax runs tokamax's ragged_dot, but the tokamax package is not "
+                "installed here (it needs Python >= 3.12 and jax >= 0.11.1): run "
+                "`pip install tokamax`, or leave the grouped matmul to the selector.",
+                [fix(gmm_backend=GmmBackend.auto)],
             )
         ]
     if backend is GmmBackend.ragged_dot and platform != "tpu":
