@@ -571,3 +571,30 @@ def test_a_dense_layer_trains_with_its_gathered_weights_float32_gradient_and_cot
     weights = 3 * 7168 * 18432
     acts = 1024 * (3 * 18432 + 7168) * 2
     assert plan.chosen_estimate.device_breakdown["dense_ffn_peak"] == weights * (2 + 4) + 2 * acts
+
+
+def test_the_memory_error_names_the_knob_behind_the_whole_steps_larger_share():
+    """Mixtral-8x7B, 8 v5p, fsdp 8, 4 sequences of 32k tokens, weights in bfloat16: at
+    rest the whole step holds 65.2 GiB of its 128.5, the larger share, so the error
+    names the weights' storage. The MoE layers' state alone (63.0 GiB) is the smaller
+    share: a rule that read it would send the user to per_device_batch_size."""
+    cfg = selector.to_config(
+        selector.compose(
+            [
+                "model=mixtral_8x7b",
+                "hardware=v5p",
+                "num_devices=8",
+                "ici_fsdp_parallelism=8",
+                "per_device_batch_size=4",
+                "max_target_length=32768",
+                "param_dtype=bfloat16",
+            ]
+        )
+    )
+    plan, findings = analyse(cfg)
+    est = plan.chosen_estimate
+    rest = est.step.at_rest
+    assert rest > est.device_bytes - rest  # the whole step: state at rest is larger
+    assert est.state_bytes < est.device_bytes - est.state_bytes  # the MoE state alone is not
+    (error,) = [f for f in findings if f.code == "MEMORY_EXCEEDED"]
+    assert error.setting == "param_dtype"
