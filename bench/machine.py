@@ -85,8 +85,8 @@ def _timed(fn, *args) -> float:
     return median(times)
 
 
-def _program(body, *shapes):
-    """jit(shard_map(body)) over every device, each holding float32 arrays of `shapes`,
+def _program(body, *shapes, dtype="float32"):
+    """jit(shard_map(body)) over every device, each holding `dtype` arrays of `shapes`,
     and those arrays (global: a leading dim of devices x shape[0])."""
     import jax
     import jax.numpy as jnp
@@ -105,7 +105,9 @@ def _program(body, *shapes):
     keys = jax.random.split(jax.random.key(0), len(shapes))
     args = [
         jax.device_put(
-            jax.random.normal(key, (len(devices) * s[0], *s[1:]), jnp.float32) * 0.1,
+            (jax.random.normal(key, (len(devices) * s[0], *s[1:]), jnp.float32) * 0.1).astype(
+                dtype
+            ),
             NamedSharding(mesh, spec),
         )
         for key, s in zip(keys, shapes, strict=True)
@@ -141,7 +143,7 @@ def launch() -> float:
     return _per_op(chain, [(4, 4)], 201)
 
 
-def matmul_curve() -> list[dict]:
+def matmul_curve(rows_list=MATMUL_ROWS, kn_list=MATMUL_KN, dtype="float32") -> list[dict]:
     """Per dot size, the FLOP rate of a dot as the grouped matmul runs its tiles: a
     fori_loop of TRIPS trips whose body slices `rows` rows of the input at a moving
     offset, multiplies them by one of E weights (indexed by the trip) and writes the
@@ -151,8 +153,8 @@ def matmul_curve() -> list[dict]:
 
     experts = 8
     out = []
-    for rows in MATMUL_ROWS:
-        for k, n in MATMUL_KN:
+    for rows in rows_list:
+        for k, n in kn_list:
             array = max(rows * 4, 256)
 
             def loop(trips, rows=rows, k=k, n=n, array=array):
@@ -169,7 +171,7 @@ def matmul_curve() -> list[dict]:
                 return body
 
             long, short = (
-                _timed(*_flat(_program(loop(t), (array, k), (experts * k, n))))
+                _timed(*_flat(_program(loop(t), (array, k), (experts * k, n), dtype=dtype)))
                 for t in (TRIPS + 1, 1)
             )
             seconds = max((long - short) / TRIPS, 1e-9)
@@ -213,18 +215,18 @@ def _gmm_passes(tile: int, e: int, k: int, n: int):
     )
 
 
-def gmm_curve() -> list[dict]:
+def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
     GMM_EXPERTS experts of exactly `tile` rows each (full tiles, one visit an expert),
     its forward with one weight, its input gradient and its weight gradient, each
     timed alone; per visit, the mean of the three less a call."""
     called = call()
     out = []
-    for tile in GMM_TILES:
-        for k, n in GMM_KN:
+    for tile in tiles:
+        for k, n in kn_list:
             e = GMM_EXPERTS
             seconds = [
-                max(_timed(*_flat(_program(body, *shapes))) - called, 1e-9) / e
+                max(_timed(*_flat(_program(body, *shapes, dtype=dtype))) - called, 1e-9) / e
                 for body, *shapes in _gmm_passes(tile, e, k, n)
             ]
             flops = 2 * tile * k * n
@@ -241,19 +243,19 @@ def gmm_curve() -> list[dict]:
 EINSUM_SHAPES = ((8, 256, 64, 128), (8, 1024, 192, 384), (8, 2048, 640, 1280), (32, 512, 192, 384))
 
 
-def einsum_curve() -> list[dict]:
+def einsum_curve(shapes=EINSUM_SHAPES, dtype="float32") -> list[dict]:
     """The FLOP rate of the dense and capacity paths' batched einsums: every token through
     every expert, "tm,emh->teh" over (experts, tokens, K, N) shapes; per einsum less a call."""
     import jax.numpy as jnp
 
     called = call()
     out = []
-    for e, t, k, n in EINSUM_SHAPES:
+    for e, t, k, n in shapes:
 
         def body(x, w, e=e, t=t, k=k, n=n):
             return jnp.einsum("tm,emh->teh", x, w.reshape(e, k, n)).reshape(t, -1)
 
-        fn, args = _program(body, (t, k), (e * k, n))
+        fn, args = _program(body, (t, k), (e * k, n), dtype=dtype)
         seconds = max(_timed(fn, *args) - called, 1e-9)
         flops = 2 * e * t * k * n
         out.append(

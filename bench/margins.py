@@ -56,10 +56,12 @@ MARGIN_COMMENT = {
 
 def native_pins(candidate: str) -> list[str]:
     """The overrides that make today's selector estimate the program that was compiled:
-    its exchange, and for an exchange the expert group that was the default then."""
+    its dispatch (the time count may pick another), its exchange, and for an exchange
+    the expert group that was the default then."""
+    dispatch = f"dispatch={candidate.split('/')[0]}"
     if candidate.startswith("megablox/all_to_all"):
-        return ["expert_exchange=all_to_all", "expert_group=expert_and_sequence"]
-    return ["expert_exchange=gather"]
+        return [dispatch, "expert_exchange=all_to_all", "expert_group=expert_and_sequence"]
+    return [dispatch, "expert_exchange=gather"]
 
 
 def native_estimate(row: dict, target: str, jax_version: str) -> float:

@@ -17,20 +17,28 @@ the devices when there are several, one device otherwise):
   rows only, over time x the preset's peak), and the regret of the selector's pick
   (its median over the fastest's);
 - on GPU, the grouped matmul alone (fwd+bwd): tokamax's ragged_dot where tokamax is
-  installed, tiled_gmm, jax.lax.ragged_dot and the dense matmul of the same rows.
+  installed (its default kernel, and its Triton one), tiled_gmm, jax.lax.ragged_dot and
+  the dense matmul of the same rows;
+- first, the machine constants the counted time prices with, measured on the chip
+  beside the preset's published figures: a large bf16 matmul's TFLOP/s, HBM bandwidth
+  (one fused elementwise pass, bytes read and written), a program call, a kernel launch
+  and a loop trip (bench.machine's microbenchmarks).
 
-The budget (`--budget`, seconds) stops it starting another config; what ran is
-written. `--dry` runs the same code on this machine's CPU devices at sizes scaled down
+The budget (`--budget`, seconds) stops it starting another config; the JSON is
+rewritten after each step, so what ran is kept if the chip is taken back mid-way, and a
+layer that fails is recorded with its error and the next one runs. `--dry` runs the same code on this machine's CPU devices at sizes scaled down
 (the suite runs it: tests/test_on_device.py), so the script is known to work before a
 chip is lent.
 
     python -m bench.on_device                  # on the chip: bench/results/on_device_<hw>.json
     python -m bench.on_device --dry --out /tmp/dry.json
+    python -m bench.on_device --rescore bench/results/on_device_h200.json   # no chip
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -115,15 +123,24 @@ def useful_flops(layer: Layer, devices: int) -> float:
     return 6 * tokens * layer.top_k * layer.emb * layer.hidden * passes
 
 
-def candidates(config, layer: Layer) -> dict:
-    """{name: forced config}: every placement the selector can run (bench.picks), and a
-    dense MLP of the same active FLOPs for the seed's comparison."""
+def candidates(config, layer: Layer, picks=(), tokamax: bool = False) -> dict:
+    """{name: forced config}: every placement the selector can run (bench.picks), the
+    selector's picks among them even where the benchmark leaves dense out, a dense MLP
+    of the same active FLOPs for the seed's comparison, and, where tokamax is installed
+    on a GPU, the gather with tokamax's grouped matmul (a kernel `auto` does not pick)."""
     from bench.picks import variants
     from selector import Dispatch
+    from selector.config import GmmBackend
 
     out = dict(variants(config))
-    if config.num_experts > DENSE_MAX_RATIO * config.num_experts_per_tok:
+    if config.num_experts > DENSE_MAX_RATIO * config.num_experts_per_tok and "dense" not in picks:
         out.pop("dense", None)
+    if "dense" in picks and "dense" not in out:
+        out["dense"] = config.replace(dispatch=Dispatch.dense)
+    if tokamax and "megablox/gather" in out:
+        out["megablox/gather[tokamax]"] = out["megablox/gather"].replace(
+            gmm_backend=GmmBackend.tokamax
+        )
     if layer.mlp_beside:
         out["mlp (same active FLOPs)"] = config.replace(
             num_experts=1,
@@ -134,14 +151,32 @@ def candidates(config, layer: Layer) -> dict:
     return out
 
 
-def time_layer(layer: Layer, hardware: str, devices: int, dry: bool, rounds: int) -> dict:
+OFFERED = ("megablox/", "dense", "subgroup_capacity")  # what the selector can pick
+
+
+def offered(name: str) -> bool:
+    return name.startswith(OFFERED) and "[tokamax]" not in name
+
+
+def time_layer(layer: Layer, hardwares: dict, devices: int, dry: bool, rounds: int) -> dict:
+    """Every candidate of one layer timed interleaved; for each pricing in `hardwares`
+    ({"published": the preset, "measured": its constants measured here}), each
+    candidate's counted estimate and parts, the selector's pick and its regret (its
+    median over the fastest offered candidate's)."""
+    import importlib.util
+
     import selector
     from bench.picks import plan_name
     from checks.measured import _step, interleaved
 
-    config = selector.to_config(selector.compose(overrides(layer, hardware, devices, dry)))
-    plan = selector.resolve(config)
-    forced = candidates(config, layer)
+    first = next(iter(hardwares.values()))
+    config = selector.to_config(selector.compose(overrides(layer, first.name, devices, dry)))
+    picks = {
+        key: plan_name(selector.resolve(config.replace(hardware=hw)))
+        for key, hw in hardwares.items()
+    }
+    tokamax = first.platform == "gpu" and importlib.util.find_spec("tokamax") is not None
+    forced = candidates(config, layer, tuple(picks.values()), tokamax)
     fns, failed = {}, {}
     for name, c in forced.items():
         try:
@@ -149,31 +184,91 @@ def time_layer(layer: Layer, hardware: str, devices: int, dry: bool, rounds: int
         except Exception as exc:  # a candidate the chip cannot build is recorded, not fatal
             failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     times = interleaved(fns, rounds) if fns else {}
-    peak = config.hardware.matmul_tflops * 1e12
+    peak = first.matmul_tflops * 1e12
     flops = useful_flops(layer, devices)
     rows = {}
     for name, ts in times.items():
         mid = median(ts)
-        est = selector.resolve(forced[name]).chosen_estimate
-        rows[name] = {
-            "median_s": mid,
-            "times_s": ts,
-            "estimated_s": est.time_s,
-            "estimated_parts_s": est.time_parts.as_dict(),
-            "mfu": flops / (mid * peak),
-        }
-    pick = plan_name(plan)
-    routed = {n: r for n, r in rows.items() if not n.startswith("mlp")}
-    fastest = min(routed, key=lambda n: routed[n]["median_s"]) if routed else None
+        rows[name] = {"median_s": mid, "times_s": ts, "mfu": flops / (mid * peak)}
+        for key, hw in hardwares.items():
+            est = selector.resolve(forced[name].replace(hardware=hw)).chosen_estimate
+            rows[name][f"estimated_s_{key}"] = est.time_s
+            rows[name][f"estimated_parts_s_{key}"] = est.time_parts.as_dict()
+    listed = {n: r for n, r in rows.items() if offered(n)}
+    fastest = min(listed, key=lambda n: listed[n]["median_s"]) if listed else None
+    every = {n: r for n, r in rows.items() if not n.startswith("mlp")}
     return {
         "layer": layer.__dict__,
-        "pick": pick,
+        "picks": picks,
         "fastest": fastest,
-        "regret": routed[pick]["median_s"] / routed[fastest]["median_s"]
-        if pick in routed and fastest
-        else None,
+        "fastest_any_kernel": min(every, key=lambda n: every[n]["median_s"]) if every else None,
+        "regret": {
+            key: listed[pick]["median_s"] / listed[fastest]["median_s"]
+            if pick in listed and fastest
+            else None
+            for key, pick in picks.items()
+        },
         "candidates": rows,
         "failed": failed,
+    }
+
+
+def _curve(rows: list[dict]) -> list[list[float]]:
+    """bench.machine's curve rows as the preset's [MFLOPs, TFLOP/s] pairs."""
+    return [[r["mflops"], r["tflops"]] for r in rows]
+
+
+def chip_constants(preset, dry: bool) -> dict:
+    """The constants the counted time prices with, measured here by bench.machine's
+    microbenchmarks (no MoE block), in the chip's compute dtype and at the sizes of the
+    layers' dots, beside the preset's published figures.
+
+    matmul_tflops: one (n, n) x (n, n) dot; HBM: one fused multiply-add pass over an array
+    far larger than any cache (bytes read and written); call, launch and loop trip:
+    chains of 4 x 4 dots (per op, a chain's difference); the matmul, tile-visit and
+    batched-einsum curves; gathers. One device has no collective to time: those stay
+    the preset's.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from bench import machine
+
+    dtype = "float32" if dry else "bfloat16"
+    n = 256 if dry else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    matmul_s = machine._timed(jax.jit(jnp.matmul), a, a.T)
+    size = (1 << 20) if dry else (1 << 28)  # 1 GiB of float32 on a chip: 16x an H200's L2
+    x = jnp.ones((size,), jnp.float32)
+    pass_s = machine._timed(jax.jit(lambda x: x * 1.0001 + 0.5), x)
+    launch_s = machine.launch()
+    if dry:
+        rows, kn, tiles, einsums = (8, 64), ((64, 128),), (32, 64), ((8, 64, 32, 64),)
+    else:
+        rows = (8, 64, 512, 2048, 8192)
+        kn = ((640, 1280), (2048, 768), (7168, 2048))
+        tiles = machine.GMM_TILES
+        einsums = ((8, 2048, 2048, 768), (64, 512, 2048, 768), (64, 2048, 7168, 2048))
+    measured = {
+        "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+        "hbm_bandwidth_gbps": 2 * 4 * size / pass_s / 1e9,
+        "gather_gbps": machine.gather()[0],
+        "call_us": machine.call() * 1e6,
+        "launch_us": launch_s * 1e6,
+        "loop_trip_us": machine.loop_trip(launch_s) * 1e6,
+        "matmul_curve": _curve(machine.matmul_curve(rows, kn, dtype)),
+        "gmm_curve": _curve(machine.gmm_curve(tiles, kn, dtype)),
+        "einsum_curve": _curve(machine.einsum_curve(einsums, dtype)),
+    }
+    published = {
+        "matmul_tflops": preset.matmul_tflops,
+        "hbm_bandwidth_gbps": preset.hbm_bandwidth_gbps,
+    }
+    return {
+        "measured": measured,
+        "published": published,
+        "measured_over_published": {k: measured[k] / v for k, v in published.items() if v},
+        "shapes": {"matmul_n": n, "dtype": dtype, "hbm_floats": size},
     }
 
 
@@ -209,6 +304,9 @@ def gmm_alone(dry: bool, rounds: int) -> dict:
         import tokamax  # noqa: F401
 
         kernels["tokamax.ragged_dot"] = lambda x, w, s: tokamax.ragged_dot(x, w, s)
+        kernels["tokamax.ragged_dot[triton]"] = lambda x, w, s: tokamax.ragged_dot(
+            x, w, s, implementation="triton"
+        )
     except Exception as exc:  # not installed here (Python < 3.12), or no kernel for the chip
         skipped["tokamax.ragged_dot"] = f"{type(exc).__name__}: {exc}"
     fns = {}
@@ -225,6 +323,79 @@ def gmm_alone(dry: bool, rounds: int) -> dict:
     }
 
 
+def rescore(run: dict, hardware_overrides=()) -> dict:
+    """A chip's stored run priced again by today's count, on this machine (no chip): per
+    layer, every timed candidate's estimate, the pick and, where the pick was timed, its
+    regret against the chip's medians. Run after every change of the count or of a
+    preset, so the picks are judged on the chip without one."""
+    import selector
+    from bench.picks import plan_name
+
+    rows = []
+    for got in run["layers"]:
+        layer = Layer(**got["layer"])
+        config = selector.to_config(
+            selector.compose(
+                overrides(layer, run["hardware"], run["devices"], run["dry"])
+                + list(hardware_overrides)
+            )
+        )
+        pick = plan_name(selector.resolve(config))
+        forced = candidates(config, layer, (pick,), tokamax=False)
+        timed = {n: c["median_s"] for n, c in got["candidates"].items() if offered(n)}
+        fastest = min(timed, key=timed.get)
+        estimates = {
+            n: selector.resolve(forced[n]).chosen_estimate.time_s for n in timed if n in forced
+        }
+        rows.append(
+            {
+                "layer": layer.name,
+                "pick": pick,
+                "fastest": fastest,
+                "regret": timed[pick] / timed[fastest] if pick in timed else None,
+                "measured_s": timed,
+                "estimated_s": estimates,
+            }
+        )
+    judged = [r for r in rows if r["regret"] is not None]
+    return {
+        "hardware": run["hardware"],
+        "machine": run["machine"],
+        "layers": rows,
+        "summary": {
+            "layers": len(rows),
+            "pick_timed": len(judged),
+            "picks_fastest": sum(r["pick"] == r["fastest"] for r in judged),
+            "worst_regret": max((r["regret"] for r in judged), default=None),
+        },
+    }
+
+
+def plot(rescored: dict, path: Path) -> None:
+    """Per layer, each timed candidate's chip median beside today's estimate, the pick
+    named in the title."""
+    from bench.common import pyplot
+
+    plt = pyplot()
+    layers = rescored["layers"]
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], layers, strict=True):
+        names = list(row["measured_s"])
+        xs = range(len(names))
+        chip = [row["measured_s"][n] * 1e3 for n in names]
+        est = [row["estimated_s"].get(n, float("nan")) * 1e3 for n in names]
+        ax.bar([x - 0.2 for x in xs], chip, 0.4, color="tab:blue", label="chip median")
+        ax.bar([x + 0.2 for x in xs], est, 0.4, color="tab:orange", label="estimate")
+        ax.set_xticks(list(xs), [n.replace("megablox/", "") for n in names])
+        ax.set_title(f"{row['layer']}\npick: {row['pick']}", fontsize=8)
+    axes[0][0].set_ylabel("ms a layer (fwd+bwd)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(
+        f"{rescored['machine'].get('device_kind', '')}: chip medians and today's estimates", y=1.06
+    )
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--dry", action="store_true", help="CPU devices, sizes scaled down")
@@ -234,7 +405,25 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out", help="the JSON to write (default bench/results/on_device_<hw>.json)"
     )
+    parser.add_argument(
+        "--rescore",
+        metavar="RUN_JSON",
+        help="price a chip's stored run again with today's count (no chip needed); writes"
+        " <run>_rescored.json and .png beside it",
+    )
     args = parser.parse_args(argv)
+    if args.rescore:
+        run_path = Path(args.rescore)
+        rescored = rescore(json.loads(run_path.read_text()))
+        base = run_path.with_name(run_path.stem + "_rescored")
+        base.with_suffix(".json").write_text(json.dumps(rescored, indent=1))
+        plot(rescored, base.with_suffix(".png"))
+        for row in rescored["layers"]:
+            print(
+                f"{row['layer']}: pick {row['pick']}, fastest {row['fastest']}, regret {row['regret']}"
+            )
+        print("wrote", base.with_suffix(".json"), json.dumps(rescored["summary"]))
+        return 0
     if args.dry and "jax" not in sys.modules:
         from bench.common import use_cpu_devices
 
@@ -251,39 +440,71 @@ def main(argv=None) -> int:
     hardware = args.hardware or {"gpu": "h200", "tpu": "v5p", "cpu": "cpu"}[platform]
     count = len(devices)
     count = 2 ** int(math.log2(count))  # a power of two the sequences split over
+    out = Path(args.out) if args.out else RESULTS / f"on_device_{hardware}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    results, skipped = [], []
-    for layer in LAYERS:
-        if time.perf_counter() - start > args.budget:
-            skipped.append(layer.name)
-            continue
-        shape = scaled(layer) if args.dry else layer
-        got = time_layer(shape, hardware, count, args.dry, args.rounds)
-        results.append(got)
-        print(
-            f"{layer.name}: pick {got['pick']}, fastest {got['fastest']}, regret {got['regret']}",
-            flush=True,
-        )
+    results, skipped, errors = [], [], {}
     payload = {
         "machine": machine(),
         "hardware": hardware,
         "devices": count,
         "dry": args.dry,
         "rounds": args.rounds,
+        "constants": None,
         "layers": results,
+        "failed_layers": errors,
         "skipped_for_time": skipped,
-        "gmm": gmm_alone(args.dry, args.rounds) if platform in ("gpu", "cpu") else None,
-        "seconds": time.perf_counter() - start,
+        "gmm": None,
     }
-    regrets = [r["regret"] for r in results if r["regret"] is not None]
-    payload["summary"] = {
-        "layers_timed": len(results),
-        "picks_fastest": sum(r["pick"] == r["fastest"] for r in results),
-        "worst_regret": max(regrets, default=None),
-    }
-    out = Path(args.out) if args.out else RESULTS / f"on_device_{hardware}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1, default=str))
+
+    def write() -> None:  # after every step: a chip taken back keeps what ran
+        payload["seconds"] = time.perf_counter() - start
+        payload["summary"] = {"layers_timed": len(results)}
+        for key in ("published", "measured"):
+            regrets = [r["regret"][key] for r in results if r["regret"][key] is not None]
+            payload["summary"][key] = {
+                "picks_fastest": sum(r["picks"][key] == r["fastest"] for r in results),
+                "worst_regret": max(regrets, default=None),
+            }
+        out.write_text(json.dumps(payload, indent=1, default=str))
+
+    import selector
+
+    preset = selector.to_config(selector.compose([f"hardware={hardware}"])).hardware
+    payload["constants"] = chip_constants(preset, args.dry)
+    scalars = {k: v for k, v in payload["constants"]["measured"].items() if "curve" not in k}
+    print("constants:", json.dumps(scalars), flush=True)
+    write()
+    measured_hw = dataclasses.replace(
+        preset,
+        name=preset.name,
+        source=f"measured by bench.on_device on {payload['machine']['device_kind']}",
+        **payload["constants"]["measured"],
+    )
+    hardwares = {"published": preset, "measured": measured_hw}
+    for layer in LAYERS:
+        if time.perf_counter() - start > args.budget:
+            skipped.append(layer.name)
+            continue
+        shape = scaled(layer) if args.dry else layer
+        try:
+            got = time_layer(shape, hardwares, count, args.dry, args.rounds)
+        except Exception as exc:  # recorded; the next layer still runs
+            errors[layer.name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"{layer.name}: FAILED {errors[layer.name]}", flush=True)
+            write()
+            continue
+        results.append(got)
+        print(
+            f"{layer.name}: picks {got['picks']}, fastest {got['fastest']}"
+            f" (any kernel: {got['fastest_any_kernel']}), regret {got['regret']}"
+            f" ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+        write()
+    if platform in ("gpu", "cpu"):
+        payload["gmm"] = gmm_alone(args.dry, args.rounds)
+    write()
     print("wrote", out, json.dumps(payload["summary"]))
     return 0
 

@@ -170,7 +170,9 @@ def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too(
     """DeepSeek-V3 decode on 2 hosts x 8 H200 with fsdp over both tiers, the experts
     gathered (expert_exchange=gather): the gather crosses hosts every step. The
     warning's fix weighs the exchange again, which splits the experts over both tiers'
-    fsdp devices, and the exchange it gives is over 100x cheaper."""
+    fsdp devices, and the exchange it gives is over 50x cheaper (67x today: the gather's
+    bytes over hosts against the exchange's 1,159 ops and 49 loop trips, priced at the
+    H200's measured launch and loop trip)."""
     common = (
         "model=deepseek_v3",
         "mesh=h200_8",
@@ -191,7 +193,7 @@ def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too(
     fixed = selector.resolve(typed(*common, *fix.render().split()))
     assert fixed.chosen_estimate.exchange is Exchange.all_to_all
     assert fixed.placement.group_axes == ("fsdp",)
-    assert fixed.chosen_estimate.time_s * 100 < plan.chosen_estimate.time_s
+    assert fixed.chosen_estimate.time_s * 50 < plan.chosen_estimate.time_s
 
 
 BIG_PRESETS = {  # docs/design.md's "What it picks for the big presets"
