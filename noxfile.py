@@ -3,7 +3,7 @@
     nox -s tests-3.11      # the machine's Python 3.11, ".[test,tpu,gpu,docs]" as pinned by pip
     nox -s tests-3.12      # Python 3.12, jax 0.12.0.1 + MaxText 0.2.5 (runs its RoutedMoE too)
     nox -s docs            # mkdocs build --strict
-    nox -s mutate          # mutation testing (checks/mutate.py, mutmut), not in CI
+    nox -s mutate          # mutation testing (tools/mutate.py, mutmut), not in CI
 
 Arguments after `--` replace the pytest arguments, e.g.
 `nox -s tests-3.12 -- -x tests/test_maxtext_routedmoe.py tests/test_layers_parity.py`.
@@ -56,9 +56,9 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def mutate(session: nox.Session) -> None:
-    """Mutation testing (checks/mutate.py): the selector's cost, memory, placement and
+    """Mutation testing (tools/mutate.py): the selector's cost, memory, placement and
     policy modules, and the layers' exchange and grouped matmul, each part against its
-    own tests. Arguments after `--` go to checks.mutate, e.g.
+    own tests. Arguments after `--` go to tools.mutate, e.g.
     `nox -s mutate -- layers --sample 10`; without them, the selector part in full."""
     session.install(".[test,mutation]")
-    session.run("python", "-m", "checks.mutate", *(session.posargs or ["selector"]))
+    session.run("python", "-m", "tools.mutate", *(session.posargs or ["selector"]))

@@ -15,7 +15,7 @@ import selector
 from checks.compiled import compile_plan, read, target_of
 from selector.api import analyse_any
 from selector.cost import held_buffers, problem_shape, program_key
-from selector.memory_model import jax_release
+from selector.traits import jax_release
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,15 @@ import itertools
 import json
 import math
 import os
-import re
 import sys
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from .api import analyse_any
-from .compose import compose, override_key, to_config
+from .compose import compose, override_error, override_key, to_config
 from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
 from .jax_start import quiet_jax_start
@@ -105,42 +104,13 @@ def _first_line(text) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 
 
-def explain(exc: BaseException, line: str) -> str:
-    """One paragraph naming the setting and the fix, for an override that fails (values
-    quoted to one line: a 100,000-digit value is not echoed back whole)."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else None
-    key = shown(override_key(line), 60)
-    line = shown(line)
+def explain(exc: BaseException, lines: list[str]) -> str:
+    """One paragraph naming the setting and the fix, for overrides that fail: the
+    finding's message, or Hydra's and OmegaConf's errors translated as `compose`
+    translates them (`compose.override_error`; values quoted to one line)."""
     if isinstance(exc, ConfigError):
         return exc.findings[0].message
-    if isinstance(exc, OverrideParseException):
-        detail = str(exc).strip().splitlines()
-        reason = shown(detail[1] if len(detail) > 1 else _first_line(exc))
-        return (
-            f"Cannot parse the override {line!r} ({reason}). Overrides take the form "
-            "key=value (for example ici_context_parallelism=4); quote values with spaces "
-            "or special characters."
-        )
-    if isinstance(exc, MissingConfigException):
-        m = re.search(r"Could not find '([^/']+)/([^']+)'", str(exc))
-        if m:
-            group, option = m.groups()
-            options = re.findall(r"^\t(\S+)$", str(exc), flags=re.M)
-            return (
-                f"Unknown option {shown(option, 60)!r} for {group}= (override {line!r}). Available "
-                f"{group} presets: {', '.join(options) or 'none'}."
-            )
-    if isinstance(cause, ValidationError):
-        return (
-            f"Setting {key!r} cannot take the value in {line!r}: {shown(_first_line(cause))}. "
-            "Give a value of the setting's type."
-        )
-    if "Ambiguous value" in str(exc):
-        return (
-            f"The override {line!r} lists several values; add -m to run one check per "
-            "value, or give one value."
-        )
-    return f"Cannot apply the override {line!r}: {shown(_first_line(exc))}."
+    return override_error(exc, lines).findings[0].message
 
 
 MAX_JOBS = 1000  # a sweep past this is refused before anything is composed
@@ -166,7 +136,7 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except (OverrideParseException, ValueError) as exc:  # ValueError: a 5000-digit int
         bad = next((o for o in overrides if _parses_badly(o)), " ".join(overrides))
-        raise _Usage(explain(exc, bad)) from None
+        raise _Usage(explain(exc, [bad])) from None
     choices = []
     for o in parsed:
         prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
@@ -202,7 +172,7 @@ def _compose(lines: list[str]):
     try:
         return compose(lines)
     except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise _Usage(explain(exc, _culprit(lines, exc))) from None
+        raise _Usage(explain(exc, [_culprit(lines, exc)])) from None
 
 
 def _culprit(lines: list[str], exc: BaseException) -> str:
@@ -313,7 +283,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     try:
         imported = from_maxtext(path, rest)
     except (MaxTextError, ConfigError, ValueError, TypeError) as exc:
-        message = explain(exc, "") if isinstance(exc, ConfigError) else _first_line(exc)
+        message = explain(exc, rest) if isinstance(exc, ConfigError) else _first_line(exc)
         raise _Usage(message) from None
     if show_cfg:
         _emit(OmegaConf.to_yaml(OmegaConf.structured(imported.config)))
@@ -389,8 +359,8 @@ def run(argv: list[str]) -> int:
             plan, findings, compiled = analysed(config)
         except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as exc:
             if not args.multirun:
-                raise _Usage(explain(exc, " ".join(lines))) from None
-            plan, findings, code = None, [], _job_usage(i, explain(exc, " ".join(lines)))
+                raise _Usage(explain(exc, lines)) from None
+            plan, findings, code = None, [], _job_usage(i, explain(exc, lines))
         except _Usage as exc:  # a compile or measure run that failed
             if not args.multirun:
                 raise

@@ -40,7 +40,6 @@ from .memory_model import (
     ROUTER_BYTES,
     HeldBuffers,
     held_buffers,
-    jax_release,
     routed_weight_elements,
     temp_bytes,
 )
@@ -59,6 +58,7 @@ from .problem import (
 from .step_memory import StepMemory, step_memory
 from .tiling import TileOption
 from .timing import TimeParts, Work, count_work, price
+from .traits import jax_release, traits
 
 
 @dataclass(frozen=True)
@@ -398,7 +398,7 @@ def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bo
     (bfloat16 ones with bfloat16 weights); Qwen3-30B-A3B three f32[32, 48, 128, 768].
     XLA:TPU gathers them in place (`test_tpu_step_gathers_the_expert_stacks_in_place`).
     Read in training steps only: serving programs are counted without the copy."""
-    if cfg.hardware.platform != "gpu" or cfg.mode is not Mode.train:
+    if not traits(cfg.hardware.platform).hoists_f32_expert_stacks or cfg.mode is not Mode.train:
         return False
     if mesh.product(place.embed_axes) <= 1:
         return False

@@ -3,7 +3,7 @@
 Nothing here is fitted per program. Each program's peak is counted from what the layers
 allocate (layers/: the dispatch's activations, the weights' compute copies, the weight
 gradients before they leave the block), in the dtypes the compiler keeps them in, and
-one constant per compiler (`COMPILER_FACTOR`) scales the count to the compiler's temp.
+one constant per compiler (`Traits.compiler_factor`) scales the count to the compiler's temp.
 
 What the peak holds, per program (bytes; letters as in `selector.problem`):
 
@@ -38,24 +38,14 @@ compute copy is counted at 4 bytes an element whatever the compute dtype.
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
-from importlib import metadata
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
 from .problem import DeviceProblem, buffer_rows
+from .traits import NEWEST_TESTED_JAX, traits
 
 ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
 ACCUMULATOR_BYTES = 4  # the exchange's weight-gradient accumulators are float32
-
-# The one constant per compiler: its temp over the count. XLA:TPU and XLA:GPU: 1, the
-# count alone (against the real presets' layers compiled for 64 v5p and 8 H200 on both
-# stacks, bench.memory_holdout). XLA:CPU, where nobody deploys but the suite and the
-# small examples run: 1.45, the median of its compiled temp over the count on the 438
-# small points bench.calibrate compiled (it schedules for speed, not memory, and holds
-# more of the forward into the backward than the other two).
-COMPILER_FACTOR = {"tpu": 1.0, "gpu": 1.0, "cpu": 1.45}
 
 
 @dataclass(frozen=True)
@@ -71,32 +61,9 @@ class HeldBuffers:
         return self.weights + self.gradients + self.activations
 
 
-# The jax release assumed when none is installed (the selector alone): the newest stack
-# this project is tested on.
-NEWEST_TESTED_JAX = (0, 12)
-
-
-@functools.lru_cache(maxsize=8)
-def jax_release(version: str = "auto") -> tuple[int, int]:
-    """(major, minor) of `version`, or of the jax installed here for `auto` (read from
-    its package metadata: the selector stays jax-free)."""
-    if version == "auto":
-        try:
-            version = metadata.version("jax")
-        except metadata.PackageNotFoundError:
-            return NEWEST_TESTED_JAX
-    found = re.match(r"(\d+)\.(\d+)", version.strip())
-    if not found:
-        raise ValueError(
-            f"hardware.jax_version={version!r} is not a jax version: give one such as "
-            "0.10.2 or 0.12.0.1, or auto (the jax installed here)"
-        )
-    return int(found.group(1)), int(found.group(2))
-
-
 def weight_copy_bytes(platform: str, compute_bytes: int) -> int:
     """Bytes an element of the weights' compute copy takes on `platform`'s compiler."""
-    return 4 if platform == "cpu" else compute_bytes
+    return 4 if traits(platform).weight_copy_in_f32 else compute_bytes
 
 
 def has_weight_copy(p: DeviceProblem, platform: str, gathered: int | None = None) -> bool:
@@ -109,7 +76,7 @@ def has_weight_copy(p: DeviceProblem, platform: str, gathered: int | None = None
         return True
     if weight_copy_bytes(platform, p.xb) != p.xb:
         return True
-    return p.pb != p.xb and platform != "tpu"
+    return p.pb != p.xb and not traits(platform).fuses_weight_cast
 
 
 def routed_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
@@ -127,6 +94,7 @@ def held_buffers(
 ) -> HeldBuffers:
     """What the block's program holds at its peak on `platform`'s compiler of jax
     `release` (see the module's docstring)."""
+    compiler = traits(platform, release)
     routed = routed_weight_elements(strategy, p)
     # The shared experts rest split by their embedding dim over their own axes
     # (`gate_shards`), which differ from the routed experts' where the expert axes
@@ -144,14 +112,13 @@ def held_buffers(
         gradients += shared * p.xb * 2 / 3 if shared_gathered else 0.0
     elif p.train and (p.gathered > 1 or shared_gathered):
         gradients = routed * p.xb * (p.gathered > 1) + shared * p.xb * shared_gathered
-        if platform == "gpu" and release >= (0, 12):
-            # jax 0.12's XLA:GPU reduce-scatters each matrix's gradient before the next
-            # is formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four
-            # 384 MiB weight-sized buffers, the three gathered and one gradient).
-            gradients /= 3
+        # jax 0.12's XLA:GPU reduce-scatters each matrix's gradient before the next is
+        # formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
+        # weight-sized buffers, the three gathered and one gradient).
+        gradients *= compiler.gathered_gradients_held
     activations = activation_bytes(strategy, exchange, p)
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
-    if platform == "gpu" and release < (0, 12) and gathered_forward:
+    if compiler.gathered_forward_second_layout and gathered_forward:
         # jax 0.10's XLA:GPU forward of the gathered grouped matmul (tiled_gmm) holds a
         # second layout of one gathered matrix and the expert outputs beside the sorted
         # rows (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
@@ -183,7 +150,7 @@ def activation_bytes(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -
 def temp_bytes(held: HeldBuffers, cfg: Config) -> float:
     """The compiler's temp for a program holding `held`: the count times the
     compiler's one constant."""
-    return held.total * COMPILER_FACTOR[cfg.hardware.platform]
+    return held.total * traits(cfg.hardware.platform).compiler_factor
 
 
 def program_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:

@@ -23,6 +23,7 @@ from .cost import Estimate
 from .mesh import MeshView
 from .placement import WeightPlacement, expert_groups, gathered
 from .problem import gmm_backend as gmm_backend
+from .traits import traits
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
 Key = tuple[Dispatch, Exchange]
@@ -37,7 +38,7 @@ def candidates_for(cfg: Config) -> tuple[Dispatch, ...]:
 
 def exchange_backend(cfg: Config) -> str:
     """Collective that moves routed rows to their experts' owners, by platform."""
-    return "all_to_all" if cfg.hardware.platform == "cpu" else "ragged_all_to_all"
+    return traits(cfg.hardware.platform).exchange_collective
 
 
 def exchange_candidates(

@@ -16,6 +16,7 @@ from .plan_sizes import GmmTiling, exchange_buffer_rows, shared_width
 from .tiles import exchanged_calls, gathered_calls, kernel_rows, routed_rows
 from .tiling import TileOption, TileShape
 from .tiling import choose as choose_tiling
+from .traits import traits
 
 # Row tile of each backend. The Pallas kernels and tiled_gmm are counted from their own
 # tile plans (selector.tiles); ragged_dot on TPU is XLA's lowering, whose plan we have
@@ -30,15 +31,13 @@ def gmm_backend(cfg: Config) -> str:
     there (both compiled ahead of time for 8 x H100; README, "Compiled for TPU and GPU")."""
     if cfg.gmm_backend is not GmmBackend.auto:
         return cfg.gmm_backend.value
-    if cfg.hardware.platform == "tpu":
-        return GmmBackend.pallas_megablox.value  # jax.experimental.pallas.ops.tpu.megablox
-    return GmmBackend.tiled_gmm.value  # ours: pure JAX, custom VJP
+    return traits(cfg.hardware.platform).native_gmm
 
 
 def gmm_dense_over_groups(cfg: Config) -> bool:
     """Whether the grouped matmul does every group's work on every row: `ragged_dot`
     off TPU lowers to masked dense matmuls (XLA:CPU and XLA:GPU, measured)."""
-    return gmm_backend(cfg) == "ragged_dot" and cfg.hardware.platform != "tpu"
+    return gmm_backend(cfg) == "ragged_dot" and traits(cfg.hardware.platform).ragged_dot_dense
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def problem_shape(
         tile=GMM_TAIL_ROWS[gmm_backend(cfg)],
         gmm_dense=gmm_dense_over_groups(cfg),
         buffer_factor=cfg.expert_buffer_factor,
-        ragged=cfg.hardware.platform != "cpu",
+        ragged=traits(cfg.hardware.platform).ragged_exchange,
         train=cfg.mode is Mode.train,
         gathered_dcn=mesh.dcn_product(gathered_axes),
         group_dcn=mesh.dcn_product(place.group_axes) if exchanged else 1,

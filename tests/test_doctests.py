@@ -8,7 +8,7 @@ import pytest
 import layers
 import selector
 from layers import grouped_matmul
-from selector import targets
+from selector import targets, traits
 
 PUBLIC = {
     "selector.compose": selector.compose,
@@ -17,6 +17,8 @@ PUBLIC = {
     "selector.validate": selector.validate,
     "selector.from_maxtext": selector.from_maxtext,
     "selector.targets.Target": targets.Target,
+    "selector.traits.traits": traits.traits,
+    "selector.traits.jax_release": traits.jax_release,
     "layers.MoEBlock": layers.MoEBlock,
     "layers.Layout": layers.Layout,
     "layers.gmm": grouped_matmul.gmm,

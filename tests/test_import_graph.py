@@ -153,3 +153,54 @@ def test_a_missing_plugin_is_named_with_the_install_to_run(monkeypatch):
     config = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8", "compile=true"]))
     with pytest.raises(plugins.ChecksUnavailable, match=r"moe_cp\.checks:compile.*pip install"):
         selector.compile_check(config)
+
+
+# The selector's edges: compile support, the CLI's simulated devices, the live mesh check,
+# MaxText's own keys, and the table itself. Everywhere else a compiler's or a jax
+# release's behaviour is read from `selector.traits`, not branched on.
+PLATFORM_EDGES = {"selector.traits", "selector.targets", "selector.cli", "selector.api"}
+
+
+def platform_branches(path: Path, root: Path) -> list[str]:
+    """Comparisons that test a platform or a jax release: `x.platform == "gpu"`,
+    `platform != "tpu"`, `release >= (0, 12)`, `platform in (...)`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            name = side.attr if isinstance(side, ast.Attribute) else getattr(side, "id", "")
+            if name in {"platform", "release", "jax_version"}:
+                out.append(f"{module_name(path, root)}:{node.lineno} compares {name}")
+    return out
+
+
+def core_platform_branches(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "selector").rglob("*.py")):
+        name = module_name(path, root)
+        if name in PLATFORM_EDGES or name.startswith("selector.maxtext"):
+            continue
+        found += platform_branches(path, root)
+    return found
+
+
+def test_compiler_differences_are_read_from_the_traits_table():
+    assert core_platform_branches(ROOT) == []
+
+
+def test_a_platform_branch_in_the_core_is_caught(tmp_path):
+    """The check above bites: a core module that branches on the platform is named."""
+    (tmp_path / "selector").mkdir()
+    (tmp_path / "selector" / "__init__.py").write_text("")
+    (tmp_path / "selector" / "cost.py").write_text(
+        "def f(cfg, release):\n"
+        "    if cfg.hardware.platform == 'gpu':\n"
+        "        return 1\n"
+        "    return 2 if release >= (0, 12) else 3\n"
+    )
+    assert core_platform_branches(tmp_path) == [
+        "selector.cost:2 compares platform",
+        "selector.cost:4 compares release",
+    ]

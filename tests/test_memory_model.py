@@ -11,7 +11,8 @@ import pytest
 from helpers import problem, typed
 
 import selector
-from selector.memory_model import COMPILER_FACTOR, held_buffers, weight_copy_bytes
+from selector.memory_model import held_buffers, weight_copy_bytes
+from selector.traits import PLATFORMS
 
 HOLDOUT = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory_holdout.json"
 QWEN3_30B = (  # one layer of the preset on 64 v5p chips, cp=2, one 8,192-token sequence a shard
@@ -77,7 +78,13 @@ def test_xla_cpu_counts_the_weights_copy_in_float32_and_xla_tpu_fuses_a_cast():
 
 
 def test_one_constant_per_compiler():
-    assert set(COMPILER_FACTOR) == {"cpu", "gpu", "tpu"}
+    """Every compiler has traits, and one temp factor whatever the jax release."""
+    from selector.traits import TRAITS
+
+    assert set(PLATFORMS) == {"cpu", "gpu", "tpu"}
+    for platform in PLATFORMS:
+        factors = {row.compiler_factor for (name, _), row in TRAITS.items() if name == platform}
+        assert len(factors) == 1, platform
 
 
 def stored_programs():
@@ -130,7 +137,7 @@ def test_xla_gpu_gathered_programs_follow_their_jax_release():
 
 
 def test_the_jax_release_is_read_without_importing_jax():
-    from selector.memory_model import jax_release
+    from selector.traits import jax_release
 
     assert jax_release("0.10.2") == (0, 10) and jax_release("0.12.0.1") == (0, 12)
     with pytest.raises(ValueError, match="hardware.jax_version"):

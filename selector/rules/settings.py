@@ -10,6 +10,7 @@ from ..config import COMPUTE_DTYPES, PARAM_DTYPES, Config, Dispatch, GmmBackend,
 from ..findings import Finding, error, fix, warning
 from ..plan_sizes import pallas_row_tile_ok, pallas_sublane_rows
 from ..problem import gmm_backend as gmm_backend_of
+from ..traits import traits
 
 POSITIVE = (
     "base_emb_dim",
@@ -213,7 +214,7 @@ def hardware_values(cfg: Config) -> list[Finding]:
 
 def jax_version_readable(cfg: Config) -> list[Finding]:
     """hardware.jax_version names the compiler the memory count follows."""
-    from ..memory_model import jax_release
+    from ..traits import jax_release
 
     try:
         jax_release(cfg.hardware.jax_version)
@@ -282,7 +283,8 @@ def shared_gate_needs_experts(cfg: Config) -> list[Finding]:
 def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
     """A grouped-matmul backend the chip cannot run, or runs as dense work."""
     backend, platform = cfg.gmm_backend, cfg.hardware.platform
-    if backend is GmmBackend.pallas_megablox and platform == "gpu":
+    compiler = traits(platform)
+    if backend is GmmBackend.pallas_megablox and not compiler.runs_pallas_megablox:
         return [
             error(
                 "GMM_BACKEND_PLATFORM",
@@ -303,7 +305,7 @@ def gmm_backend_on_platform(cfg: Config) -> list[Finding]:
                 [fix(gmm_backend=GmmBackend.auto)],
             )
         ]
-    if backend is GmmBackend.ragged_dot and platform != "tpu":
+    if backend is GmmBackend.ragged_dot and compiler.ragged_dot_dense:
         return [
             warning(
                 "GMM_BACKEND_DENSE_WORK",

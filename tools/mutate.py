@@ -2,16 +2,16 @@
 on, with mutmut (issue 29 line 5). Not part of the suite: a full pass is hours on two
 cores.
 
-    python -m checks.mutate selector               # every mutant of cost, memory, placement, policy
-    python -m checks.mutate layers --sample 20     # 20 mutants a module, drawn with --seed
-    python -m checks.mutate selector --sample 40 --seed 0
-    python -m checks.mutate torus                  # the MaxText route's torus check
-    python -m checks.mutate memory                 # every mutant of the memory model
-    python -m checks.mutate cost                   # every mutant of the cost model
-    python -m checks.mutate cost --survivors       # its survivors again, after new tests
-    python -m checks.mutate memory --again         # re-judged after the tests changed
-    python -m checks.mutate placement --function exchange_group   # one function's mutants
-    python -m checks.mutate step --sample 40 --seed 0   # the whole step's count, sampled
+    python -m tools.mutate selector               # every mutant of cost, memory, placement, policy
+    python -m tools.mutate layers --sample 20     # 20 mutants a module, drawn with --seed
+    python -m tools.mutate selector --sample 40 --seed 0
+    python -m tools.mutate torus                  # the MaxText route's torus check
+    python -m tools.mutate memory                 # every mutant of the memory model
+    python -m tools.mutate cost                   # every mutant of the cost model
+    python -m tools.mutate cost --survivors       # its survivors again, after new tests
+    python -m tools.mutate memory --again         # re-judged after the tests changed
+    python -m tools.mutate placement --function exchange_group   # one function's mutants
+    python -m tools.mutate step --sample 40 --seed 0   # the whole step's count, sampled
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole

@@ -1,0 +1,155 @@
+"""What each compiler does differently, as data: one row per compiler, and per jax
+release where its behaviour changed. The counts read a row (`traits`) instead of
+branching on the platform or the release, so a new compiler or release is a new row.
+
+Every trait was read from compiled programs (buffer assignments, HLO, memory analysis)
+or measured; the comment beside each field says where.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, replace
+from importlib import metadata
+
+# The jax release assumed when none is installed (the selector alone): the newest stack
+# this project is tested on.
+NEWEST_TESTED_JAX = (0, 12)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """One compiler's behaviour, as the counts and rules read it.
+
+    Attributes:
+      weight_copy_in_f32: the matmuls read bfloat16 weights through a float32 copy
+        (XLA:CPU: its dots multiply in float32).
+      fuses_weight_cast: a cast of weights that are not gathered fuses into the dots, so
+        no converted copy is held (XLA:TPU, the small decode programs: 0.4 MiB of temp
+        where the copy would be 6.9).
+      gathered_gradients_held: the share of the three gathered weight gradients held at
+        once before their reduce-scatter (jax 0.12's XLA:GPU reduce-scatters each
+        matrix's before forming the next: one of three).
+      gathered_forward_second_layout: a serving forward of the gathered grouped matmul
+        holds a second layout of one gathered matrix and the expert outputs beside the
+        sorted rows (jax 0.10's XLA:GPU; jax 0.12's holds neither).
+      hoists_f32_expert_stacks: a training step converts the stacked expert weights to
+        float32 once, out of the layer loop (XLA:GPU's step dumps; XLA:TPU gathers them
+        in place).
+      exchange_collective: the collective that moves routed rows to their experts'
+        owners (XLA:CPU has no ragged_all_to_all: a padded all_to_all).
+      native_gmm: the grouped matmul `gmm_backend=auto` runs.
+      ragged_dot_dense: XLA's `ragged_dot` lowers to masked dense work over every group.
+      runs_pallas_megablox: the Pallas megablox kernels run (natively on TPU; in
+        interpret mode on CPU; not at all on GPU).
+      compiler_factor: the one constant that scales the counted buffers to the
+        compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
+        presets' layers compiled for 64 v5p and 8 H200 on both stacks,
+        bench.memory_holdout). XLA:CPU, where nobody deploys but the suite and the small
+        examples run: 1.45, the median of its compiled temp over the count on the 438
+        small points bench.calibrate compiled (it schedules for speed, not memory, and
+        holds more of the forward into the backward than the other two).
+    """
+
+    weight_copy_in_f32: bool = False
+    fuses_weight_cast: bool = False
+    gathered_gradients_held: float = 1.0
+    gathered_forward_second_layout: bool = False
+    hoists_f32_expert_stacks: bool = False
+    exchange_collective: str = "ragged_all_to_all"
+    native_gmm: str = "tiled_gmm"
+    ragged_dot_dense: bool = True
+    runs_pallas_megablox: bool = True
+    compiler_factor: float = 1.0
+
+    @property
+    def ragged_exchange(self) -> bool:
+        """Whether the exchange sends only the routed rows (ragged), not padded slots."""
+        return self.exchange_collective == "ragged_all_to_all"
+
+
+# XLA:GPU as jax 0.10's CUDA plugin compiles; jax 0.12's changes two traits (below).
+_XLA_GPU = Traits(
+    gathered_forward_second_layout=True,
+    hoists_f32_expert_stacks=True,
+    runs_pallas_megablox=False,
+)
+
+# (platform, first jax release the row holds for): the row. A platform's rows are read
+# newest first; the first whose release is not newer than the one asked for holds.
+TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
+    ("cpu", (0, 0)): Traits(
+        weight_copy_in_f32=True, exchange_collective="all_to_all", compiler_factor=1.45
+    ),
+    ("tpu", (0, 0)): Traits(
+        fuses_weight_cast=True, native_gmm="pallas_megablox", ragged_dot_dense=False
+    ),
+    ("gpu", (0, 0)): _XLA_GPU,
+    ("gpu", (0, 12)): replace(
+        _XLA_GPU, gathered_gradients_held=1 / 3, gathered_forward_second_layout=False
+    ),
+}
+PLATFORMS = tuple(sorted({platform for platform, _ in TRAITS}))
+
+
+@functools.lru_cache(maxsize=8)
+def jax_release(version: str = "auto") -> tuple[int, int]:
+    """(major, minor) of `version`, or of the jax installed here for `auto` (read from
+    its package metadata: the selector stays jax-free).
+
+    Args:
+      version: a jax version ("0.10.2", "0.12.0.1") or "auto" (`Hardware.jax_version`).
+
+    Returns:
+      (major, minor); the newest tested release where `auto` finds no jax installed.
+
+    Raises:
+      ValueError: `version` is not a jax version.
+
+    Examples:
+      >>> from selector.traits import jax_release
+      >>> jax_release("0.12.0.1")
+      (0, 12)
+    """
+    if version == "auto":
+        try:
+            version = metadata.version("jax")
+        except metadata.PackageNotFoundError:
+            return NEWEST_TESTED_JAX
+    found = re.match(r"(\d+)\.(\d+)", version.strip())
+    if not found:
+        raise ValueError(
+            f"hardware.jax_version={version!r} is not a jax version: give one such as "
+            "0.10.2 or 0.12.0.1, or auto (the jax installed here)"
+        )
+    return int(found.group(1)), int(found.group(2))
+
+
+def traits(platform: str, release: tuple[int, int] = NEWEST_TESTED_JAX) -> Traits:
+    """The row of `platform`'s compiler for jax `release`.
+
+    Args:
+      platform: "cpu", "gpu" or "tpu" (`Hardware.platform`).
+      release: (major, minor) of jax, as `jax_release` reads it.
+
+    Returns:
+      The newest row of that platform whose release is not newer than `release`.
+
+    Examples:
+      >>> from selector.traits import traits
+      >>> traits("gpu", (0, 10)).gathered_gradients_held, traits("gpu", (0, 12)).gathered_gradients_held
+      (1.0, 0.3333333333333333)
+      >>> traits("cpu").exchange_collective
+      'all_to_all'
+    """
+    rows = sorted((since, row) for (name, since), row in TRAITS.items() if name == platform)
+    if not rows:
+        raise ValueError(f"no compiler traits for platform {platform!r}: one of {PLATFORMS}")
+    held = [row for since, row in rows if since <= release]
+    return held[-1] if held else rows[0][1]
+
+
+def traits_of(hardware) -> Traits:
+    """The row of a `Hardware` preset's compiler, at its `jax_version`."""
+    return traits(hardware.platform, jax_release(hardware.jax_version))

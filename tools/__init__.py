@@ -1,0 +1,1 @@
+"""Developer tools (mutation testing): run from a checkout, not installed with the package."""
