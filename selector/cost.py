@@ -55,7 +55,7 @@ from .problem import (
     problem_shape,
     rows,
 )
-from .step_memory import StepMemory, step_memory
+from .step_memory import StepMemory, StepOutside, step_memory
 from .tiling import TileOption
 from .timing import TimeParts, Work, count_work, price
 from .traits import jax_release, traits
@@ -348,7 +348,11 @@ def estimate(
     cfg: Config,
     mesh: MeshView,
     dev: PerDevice,
+    outside: StepOutside,
 ) -> Estimate:
+    """One candidate's counted memory and time: `strategy` with its weights at `place`;
+    `outside`: the step's bytes outside the MoE blocks (`step_outside`), the same for
+    every candidate of the config."""
     p = problem_shape(cfg, mesh, dev, place)
     rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
@@ -364,7 +368,7 @@ def estimate(
     state = state_bytes(cfg, p, rest)
     layers = max(cfg.num_moe_layers, 1)
     relaid = routed_rest_bytes(p) if relaid_for_gather(cfg, mesh, place) else 0.0
-    step = step_memory(cfg, mesh, dev, state, rest * layers, relaid * layers)
+    step = step_memory(outside, state, rest * layers, relaid * layers)
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,

@@ -22,6 +22,7 @@ from .policy import (
     exchange_candidates,
     gmm_backend,
 )
+from .step_memory import step_outside
 
 
 @dataclass(frozen=True)
@@ -322,8 +323,9 @@ def _analyse(
     options = _placements(cfg, mesh)
     if not options:  # nothing can honour expert_exchange: gather, and say so below
         options = _placements(cfg.replace(expert_exchange=Exchange.gather), mesh)
+    outside = step_outside(cfg, mesh, dev)  # the step outside the MoE blocks, once
     weighed = {
-        k: tuple((place, estimate(k[0], place, cfg, mesh, dev)) for place in places)
+        k: tuple((place, estimate(k[0], place, cfg, mesh, dev, outside)) for place in places)
         for k, places in options.items()
     }
     placements, estimates = {}, {}

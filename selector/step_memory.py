@@ -301,19 +301,32 @@ def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     return layer_working_set(weights, acts, xb, train)
 
 
-def step_memory(
-    cfg: Config,
-    mesh: MeshView,
-    dev: PerDevice,
-    moe_state: float,
-    moe_weights: float,
-    moe_relaid: float = 0.0,
-) -> StepMemory:
-    """The step's memory outside the MoE block's program. `moe_state`: every MoE layer's
-    weights, gradients and optimizer state at rest (`cost.state_bytes`); `moe_weights`:
-    of those, the weights alone; `moe_relaid`: of those, the routed experts' matrices
-    the compiler holds once more in their stored dtype, laid out for their all-gather
-    (`cost.relaid_for_gather`), instead of a compute-dtype cast of them (0 when none)."""
+@dataclass(frozen=True)
+class StepOutside:
+    """What the step holds outside the MoE blocks, the same for every candidate: counted
+    once per config (`step_outside`), then joined with each candidate's MoE state
+    (`step_memory`)."""
+
+    train: bool
+    compute_bytes: int  # an element in the compute dtype
+    param_bytes: int  # an element in the weights' stored dtype
+    optimizer_bytes_per_param: float
+    other_params: float  # the parameters outside the MoE blocks a device holds
+    layer_other_params: float  # of those, the ones inside the scanned layers
+    kv_cache: float
+    saved_activations: float
+    logits: float
+    attention_peak: float
+    dense_ffn_peak: float
+
+    @property
+    def recast(self) -> bool:
+        """Whether the weights are stored in another dtype than they compute in."""
+        return self.param_bytes != self.compute_bytes
+
+
+def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
+    """The step's bytes outside the MoE blocks (see `StepMemory`), for one config."""
     train = cfg.mode is Mode.train
     xb, pb = DTYPE_BYTES.get(cfg.dtype, 4), DTYPE_BYTES.get(cfg.param_dtype, 4)
     params = model_params(cfg)
@@ -321,11 +334,6 @@ def step_memory(
     other = (params.total - params.routed_experts - params.moe_other) / non_expert_shards(mesh)
     # Of those, the ones inside the scanned layers (not the embedding, head, final norm).
     outside = params.embedding + params.head + params.final_norm
-    layer_other = other - outside / non_expert_shards(mesh)
-    recast = cfg.param_dtype != cfg.dtype
-    moe_copy = moe_relaid + ((moe_weights - moe_relaid) / pb * xb if recast else 0.0)
-    cast = (layer_other * xb if recast else 0.0) + moe_copy
-    moe_grads = moe_weights if train else 0.0
     tokens = dev.tokens_per_device
     hidden = mesh.product(mesh.hidden_axes)
     logit_tokens = tokens / max(cfg.num_vocab_tiling, 1)
@@ -334,18 +342,51 @@ def step_memory(
     if not train:  # the cache of every sequence this device serves, split over cp
         cached = dev.local_batch * cfg.max_target_length / max(mesh.cp, 1)
         kv_cache = cached * kv_per_token(cfg) * xb
-    return StepMemory(
-        weights=other * pb + moe_weights,
-        weights_cast=cast,
-        gradients=(other * pb + moe_grads) if train else 0.0,
-        optimizer=(
-            other * cfg.optimizer_bytes_per_param + moe_state - moe_weights - moe_grads
-            if train
-            else 0.0
-        ),
+    return StepOutside(
+        train=train,
+        compute_bytes=xb,
+        param_bytes=pb,
+        optimizer_bytes_per_param=cfg.optimizer_bytes_per_param,
+        other_params=other,
+        layer_other_params=other - outside / non_expert_shards(mesh),
         kv_cache=kv_cache,
         saved_activations=tokens * saved_per_token(cfg) * xb if train else 0.0,
         logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
         attention_peak=attention_peak(cfg, mesh, tokens, train),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train),
+    )
+
+
+def step_memory(
+    outside: StepOutside,
+    moe_state: float,
+    moe_weights: float,
+    moe_relaid: float = 0.0,
+) -> StepMemory:
+    """The step's memory outside the MoE block's program: `outside` (`step_outside`,
+    once per config) with one candidate's MoE layers. `moe_state`: every MoE layer's
+    weights, gradients and optimizer state at rest (`cost.state_bytes`); `moe_weights`:
+    of those, the weights alone; `moe_relaid`: of those, the routed experts' matrices
+    the compiler holds once more in their stored dtype, laid out for their all-gather
+    (`cost.relaid_for_gather`), instead of a compute-dtype cast of them (0 when none)."""
+    o = outside
+    xb, pb = o.compute_bytes, o.param_bytes
+    moe_copy = moe_relaid + ((moe_weights - moe_relaid) / pb * xb if o.recast else 0.0)
+    cast = (o.layer_other_params * xb if o.recast else 0.0) + moe_copy
+    moe_grads = moe_weights if o.train else 0.0
+    other = o.other_params
+    return StepMemory(
+        weights=other * pb + moe_weights,
+        weights_cast=cast,
+        gradients=(other * pb + moe_grads) if o.train else 0.0,
+        optimizer=(
+            other * o.optimizer_bytes_per_param + moe_state - moe_weights - moe_grads
+            if o.train
+            else 0.0
+        ),
+        kv_cache=o.kv_cache,
+        saved_activations=o.saved_activations,
+        logits=o.logits,
+        attention_peak=o.attention_peak,
+        dense_ffn_peak=o.dense_ffn_peak,
     )

@@ -341,3 +341,40 @@ def test_capacity_asked_by_name_without_a_capacity_factor_is_priced_and_refused(
     assert chosen.verdict == "chosen"
     assert plan.reason == "requested explicitly with dispatch=subgroup_capacity"
     assert "CAPACITY_REQUIRED" in codes(found)
+
+
+def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatch):
+    """The README's error case: one analysis of the config, one more per fix a finding
+    proposes (each checked by analysing the fixed config), none for the report; and the
+    step outside the MoE blocks is counted once per analysis, not once per candidate."""
+    import collections
+
+    from selector import plan as plan_module
+    from selector import step_memory as step_module
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(plan_module, "_analyse", counted("analyse", plan_module._analyse))
+    monkeypatch.setattr(plan_module, "estimate", counted("estimate", plan_module.estimate))
+    monkeypatch.setattr(
+        step_module, "model_params", counted("model_params", step_module.model_params)
+    )
+    cfg = typed(
+        "model=qwen3_next_80b_a3b",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=1",
+        "max_target_length=8192",
+    )
+    plan, findings = plan_module.analyse(cfg)
+    proposed = sum(len(f.tried) for f in findings)
+    assert proposed > 0 and any(f.severity is Severity.error for f in findings)
+    assert calls["analyse"] == 1 + proposed
+    # The model's parameters are counted for the step once per analysis, not per candidate.
+    assert calls["model_params"] <= calls["analyse"] < calls["estimate"]
