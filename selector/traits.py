@@ -126,6 +126,7 @@ def jax_release(version: str = "auto") -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+@functools.lru_cache(maxsize=16)  # read once per estimate, on the hot path
 def traits(platform: str, release: tuple[int, int] = NEWEST_TESTED_JAX) -> Traits:
     """The row of `platform`'s compiler for jax `release`.
 
@@ -148,8 +149,3 @@ def traits(platform: str, release: tuple[int, int] = NEWEST_TESTED_JAX) -> Trait
         raise ValueError(f"no compiler traits for platform {platform!r}: one of {PLATFORMS}")
     held = [row for since, row in rows if since <= release]
     return held[-1] if held else rows[0][1]
-
-
-def traits_of(hardware) -> Traits:
-    """The row of a `Hardware` preset's compiler, at its `jax_version`."""
-    return traits(hardware.platform, jax_release(hardware.jax_version))
