@@ -6,7 +6,7 @@ compiling and timing (`compile=true`, `measure=true`, `compile_check`, `measure_
 run in the `checks` package, found by entry point (`selector.plugins`).
 """
 
-from .api import compile_check, measure_check, register_resolvers, resolve, validate
+from .api import compile_check, measure_check, register_resolvers, resolve, search, validate
 from .checked import CompileCheck, CompiledCandidate
 from .compose import compose, conf_dir, to_config
 from .config import (
@@ -23,6 +23,7 @@ from .config import (
     ScoreFunc,
 )
 from .findings import ConfigError, Finding, Fix, Severity
+from .layout_search import Layout, SearchResult
 from .maxtext import MaxTextError, MaxTextImport, from_maxtext
 from .placement import WeightPlacement
 from .plan import Candidate, DispatchPlan
@@ -44,10 +45,12 @@ __all__ = [
     "Finding",
     "Fix",
     "Hardware",
+    "Layout",
     "MaxTextError",
     "MaxTextImport",
     "Mode",
     "ScoreFunc",
+    "SearchResult",
     "Severity",
     "WeightPlacement",
     "compile_check",
@@ -57,6 +60,7 @@ __all__ = [
     "from_maxtext",
     "register_resolvers",
     "resolve",
+    "search",
     "to_config",
     "validate",
 ]

@@ -8,10 +8,12 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import layout_search
 from .checked import CompileCheck, MeasureCheck
 from .compose import live_mesh_shape, live_platform, to_config
 from .config import Config
 from .findings import ConfigError, Finding, error, errors_in, shown, warning
+from .layout_search import SearchResult
 from .plan import DispatchPlan, analyse
 from .plugins import check_mode
 
@@ -125,6 +127,40 @@ def measure_check(cfg: Any, mesh: Any = None, *, progress=None, time_fn=None) ->
     if checked is None or errors_in(findings):
         raise ConfigError(findings)
     return checked
+
+
+def search(cfg: Any, *, progress=None) -> SearchResult:
+    """The launch layouts of the config's chips that pass the check, best first.
+
+    Holds the model, the chips (`hardware`, `num_devices` or the mesh preset's,
+    `num_slices`), the sequence length and the global batch fixed, and enumerates the
+    rest (`selector.layout_search`): the mesh over data, fsdp, context, expert and
+    tensor, the per-device batch, the remat policy and the vocabulary tiling, each
+    checked as a launch is (the dispatch and expert group chosen by that check).
+
+    Args:
+      cfg: a Config, DictConfig or mapping; the global batch is `search_global_batch`
+        sequences, or `search_global_tokens` tokens, or per_device_batch_size times
+        the devices.
+      progress: called with (meshes done, meshes) as the search goes.
+
+    Returns:
+      The SearchResult: `.layouts` best first (sure fits, then those within the memory
+      margin; each by the whole step's counted time), each with `.settings` (the
+      overrides that select it), `.plan` and `.step` (its time parts); `.refused` counts
+      the layouts each error refused.
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "search_global_batch=8"])
+      >>> found = selector.search(cfg)
+      >>> best = found.layouts[0]
+      >>> best.settings["per_device_batch_size"], best.verdict.value
+      (1.0, 'yes')
+      >>> selector.validate(selector.compose(["model=tiny", "mesh=cpu_8", *best.overrides]))
+      []
+    """
+    return layout_search.search(to_config(cfg), progress=progress)
 
 
 def validate(cfg: Any, mesh: Any = None) -> list[Finding]:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, OverrideParseException
@@ -28,6 +29,7 @@ from .compose import compose, override_error, override_key, to_config
 from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
 from .jax_start import quiet_jax_start
+from .layout_search import exit_code, render_search, search
 from .maxtext import MaxTextError, from_maxtext, route_fixes
 from .plugins import check_mode
 from .report import render_json, render_text
@@ -242,6 +244,57 @@ def _or_usage(flag: str, doing: str, run):
         ) from None
 
 
+class _Bar:
+    """Progress of a search that runs past a second, on stderr: a bar redrawn in place
+    on a terminal, a line at each quarter otherwise."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.quarters = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.perf_counter() - self.start < 1.0:
+            return
+        if self.tty:
+            if done % 10 and done != total:
+                return
+            filled = round(30 * done / total)
+            end = "\n" if done == total else ""
+            bar = f"[{'#' * filled}{'.' * (30 - filled)}]"
+            print(f"\rsearching: {bar} {done}/{total} meshes", end=end, file=sys.stderr, flush=True)
+        elif 4 * done // total > self.quarters:
+            self.quarters = 4 * done // total
+            print(f"searching: {done}/{total} meshes", file=sys.stderr, flush=True)
+
+
+def search_report(config, check_first) -> int:
+    """`search=true`: the layouts of the config's chips, best first (text or JSON);
+    with `compile=true`, then `check_first(layout)`: the first layout checked and
+    compiled as a launch with its overrides would be, its report after the search's."""
+    try:
+        found = search(config, progress=_Bar())
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    if config.output is OutputFormat.json:
+        _emit(json.dumps(found.as_dict(), sort_keys=True))
+    else:
+        _emit(render_search(config, found, config.search_top))
+    status = exit_code(found)
+    if config.compile and found.layouts:
+        top = found.layouts[0]
+        _progress(f"compile=true: checking the first layout, {' '.join(top.overrides)}")
+        status = check_first(top)
+    return status
+
+
+def _native_first(top) -> int:
+    """The first layout of a native search, checked with compile=true."""
+    config = top.plan.config.replace(search=False, compile=True)
+    plan, findings, compiled = analysed(config)
+    return report(config, plan, findings, overrides=top.overrides, compiled=compiled)
+
+
 def report(
     config, plan, findings, *, overrides, job=None, maxtext=None, compiled=None, maxtext_step=None
 ) -> int:
@@ -288,6 +341,13 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     if show_cfg:
         _emit(OmegaConf.to_yaml(OmegaConf.structured(imported.config)))
         return EXIT_OK
+    if imported.config.search:
+        return search_report(
+            imported.config,
+            lambda top: maxtext_main(
+                [f"maxtext_config={path}", *rest, *top.overrides, "search=false"], False
+            ),
+        )
     # compile=true here compiles MaxText's own train step (checks.maxtext_step), not
     # this project's block: the estimate is made without compiling.
     wants_step = imported.config.compile
@@ -356,6 +416,9 @@ def run(argv: list[str]) -> int:
     for i, (lines, cfg) in enumerate(composed):
         try:
             config = to_config(cfg)
+            if config.search:
+                status = worst(status, search_report(config, _native_first))
+                continue
             plan, findings, compiled = analysed(config)
         except (ConfigError, OmegaConfBaseException, ValueError, TypeError) as exc:
             if not args.multirun:

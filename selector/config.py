@@ -309,6 +309,14 @@ class Config:
     measure: bool = False
     measure_rounds: int = 5
     measure_save: str = ""
+    # Search the launch instead of checking it (selector.search): every layout of the
+    # chips with the global batch held fixed, in sequences (search_global_batch) or
+    # tokens (search_global_tokens; neither: per_device_batch_size x the devices),
+    # ranked by the whole step's counted time; the report lists the search_top fastest.
+    search: bool = False
+    search_global_batch: int = 0
+    search_global_tokens: int = 0
+    search_top: int = 5
     output: OutputFormat = OutputFormat.text
     hardware: Hardware = field(default_factory=Hardware)
     axis_rules: AxisRules = field(default_factory=AxisRules)

@@ -15,6 +15,7 @@ PUBLIC = {
     "selector.to_config": selector.to_config,
     "selector.resolve": selector.resolve,
     "selector.validate": selector.validate,
+    "selector.search": selector.search,
     "selector.from_maxtext": selector.from_maxtext,
     "selector.targets.Target": targets.Target,
     "selector.traits.traits": traits.traits,

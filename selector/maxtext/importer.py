@@ -125,6 +125,10 @@ OWN_KEYS = (
     "measure",
     "measure_rounds",
     "measure_save",
+    "search",
+    "search_global_batch",
+    "search_global_tokens",
+    "search_top",
 )
 # Of OWN_KEYS, those read by code of their own (the chip prices the hardware, the
 # dispatch and mode have MaxText defaults, the rest are enums); every other is taken as
