@@ -257,6 +257,12 @@ class Config:
     # (checks.step) has always computed the head in float32, so true is the default
     # here; MaxText's base.yml says false, and the MaxText route reads its files.
     logits_dot_in_fp32: bool = True
+    # Whether the MoE block tags its routed projections with MaxText's checkpoint names,
+    # so that a remat policy saving mlpwi_0 and mlpwo keeps them for every routed row
+    # (MaxText 0.2.5's sparse path does, read in layers/moe.py: the gate projection as
+    # mlpwi_0, the down projection as mlpwo; its shared experts' MlpBlock tags all
+    # three). The MaxText route sets it; this project's block tags none.
+    moe_checkpoint_names: bool = False
     context_parallel_strategy: ContextStrategy = ContextStrategy.all_gather
 
     # Batch and sequence.

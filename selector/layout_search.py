@@ -146,7 +146,11 @@ def global_batch(cfg: Config, num_devices: int) -> float:
     return cfg.per_device_batch_size * num_devices
 
 
-def search(cfg: Config, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+def search(
+    cfg: Config,
+    progress: Callable[[int, int], None] | None = None,
+    route: Callable[[Config], tuple[Config, list]] | None = None,
+) -> SearchResult:
     """Every layout of `cfg`'s chips that its check passes, fastest first.
 
     Args:
@@ -154,6 +158,9 @@ def search(cfg: Config, progress: Callable[[int, int], None] | None = None) -> S
         mesh preset's) and `num_slices`, `max_target_length`, and the global batch
         (`global_batch`).
       progress: called with (meshes done, meshes) as the search goes.
+      route: what a route adds for each mesh, `(config) -> (config, findings)`: the
+        MaxText route's exchange by its expert axis and its torus check
+        (`MaxTextImport.for_mesh`); an error there refuses the mesh.
 
     Returns:
       The SearchResult: `.layouts` (each `.settings`, `.plan`, `.step`), what was
@@ -186,6 +193,11 @@ def search(cfg: Config, progress: Callable[[int, int], None] | None = None) -> S
             refused["AXIS_DOES_NOT_DIVIDE"] += len(remats)
             continue
         mesh_cfg = base.replace(**{f"ici_{a}_parallelism": s for a, s in sizes.items()})
+        if route is not None:
+            mesh_cfg, route_findings = route(mesh_cfg)
+            if errors_in(route_findings):
+                refused[_first_error(route_findings)] += len(remats)
+                continue
         # The least memory this mesh can hold: nothing saved, the vocabulary tiled most.
         tiling_cap = _tiling_cap(mesh_cfg)
         plan, findings = _analyse(

@@ -120,10 +120,27 @@ def _recomputed_share(cfg: Config, layer: int) -> float:
     saves = set(REMAT_SAVES.get(cfg.remat_policy, ()))
     named = named_activations(cfg, layer)
     named.pop("context", None)
+    if is_moe_layer(cfg, layer):  # the MoE block's names: `_moe_recomputed_share`
+        for name in _MOE_NAMES:
+            named.pop(name, None)
     width = sum(named.values())
     if not width:
         return 1.0
     return sum(w for name, w in named.items() if name not in saves) / width
+
+
+_MOE_NAMES = ("mlpwi_0", "mlpwi_1", "mlpwo")
+
+
+def _moe_recomputed_share(cfg: Config) -> float:
+    """Of the MoE block's forward, the share the backward recomputes. This project's
+    block tags nothing, so all of it. MaxText's sparse path tags its gate projection
+    (mlpwi_0) and down projection (mlpwo), each one of the three routed dots: a policy
+    saving them spares those."""
+    if not cfg.moe_checkpoint_names:
+        return 1.0
+    saves = set(REMAT_SAVES.get(cfg.remat_policy, ()))
+    return 1.0 - sum(name in saves for name in ("mlpwi_0", "mlpwo")) / 3
 
 
 def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> StepTime:
@@ -155,10 +172,11 @@ def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> 
         if train:  # the backward first recomputes what the policy did not save
             recompute += _recomputed_share(cfg, layer) * proj
             recompute += 0.0 if "context" in saves else core
-    if train and not {"mlpwi_0", "mlpwi_1", "mlpwo"} <= saves:
+    if train:
         # The MoE blocks' forward again: a third of their dots' time (the backward's
-        # dots are two of each forward dot's size).
-        recompute += cfg.num_moe_layers * chosen.time_parts.compute / passes
+        # dots are two of each forward dot's size), less what the policy saves.
+        forward = chosen.time_parts.compute / passes
+        recompute += cfg.num_moe_layers * forward * _moe_recomputed_share(cfg)
     head = passes * _dot_seconds(2 * tokens * cfg.base_emb_dim * cfg.vocab_size / tensor, cfg)
 
     # Network. Non-expert weights rest over every axis but the data axes; the tensor

@@ -65,6 +65,9 @@ def runnable_configs(draw) -> Config:
         max_target_length=2 * cp * draw(st.sampled_from([4, 8])),
         base_emb_dim=16 * sizes["fsdp"] * cp,
         base_moe_mlp_dim=16 * sizes["tensor"],
+        # Whole heads on each tensor shard (a rule of the decoder's attention).
+        base_num_query_heads=8,
+        base_num_kv_heads=8,
         num_experts=experts,
         num_experts_per_tok=draw(st.integers(1, min(2, experts))),
         capacity_factor=capacity_factor,

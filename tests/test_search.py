@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,14 +112,19 @@ def test_data_parallel_gradients_are_summed_over_the_data_axis():
 
 def test_saving_more_recomputes_less_and_changes_nothing_else():
     base = config("model=qwen3_30b_a3b", "per_device_batch_size=1", "max_target_length=4096")
-    runs = {
-        r: parts_of(base.replace(remat_policy=r))[1]
-        for r in ("full", "minimal", "minimal_with_context")
-    }
+    runs = {}
+    for policy in ("full", "minimal", "minimal_with_context"):
+        plan, runs[policy] = parts_of(base.replace(remat_policy=policy))
     assert runs["full"]["recompute"] > runs["minimal"]["recompute"]
     assert runs["minimal"]["recompute"] > runs["minimal_with_context"]["recompute"]
-    # minimal_with_context saves every projection and the attention's output.
-    assert runs["minimal_with_context"]["recompute"] == 0.0
+    # minimal_with_context saves every projection and the attention's output; this
+    # project's MoE block tags nothing, so its forward (a third of its dots) runs again.
+    moe_forward = 48 * plan.chosen_estimate.time_parts.compute / 3
+    assert runs["minimal_with_context"]["recompute"] == pytest.approx(moe_forward)
+    # MaxText's block tags two of its three routed dots, which minimal saves.
+    maxtext_like = base.replace(remat_policy="minimal_with_context", moe_checkpoint_names=True)
+    plan, parts = parts_of(maxtext_like)
+    assert parts["recompute"] == pytest.approx(48 * plan.chosen_estimate.time_parts.compute / 9)
     for name in ("head", "layer_dots", "attention", "weight_gathers"):
         assert runs["full"][name] == runs["minimal"][name]
 
@@ -261,3 +267,71 @@ def test_data_parallel_gradient_sum_by_hand():
     _, parts = parts_of(cfg.replace(hardware=FLAT))
     held = 57664 + 2 * (8 * 3 * 64 * 128 + 64 * 8)
     assert parts["gradient_sums"] == pytest.approx(2 * 7 / 8 * held * 4 / 10e9)
+
+
+def test_maxtext_route_layouts_pass_the_routes_own_check(maxtext_dir):
+    """On the MaxText route each mesh is taken as MaxText runs it (the exchange its
+    expert axis implies, the mesh laid on the v5p torus): every layout found, re-read
+    from the files with its overrides, has no error on that route."""
+    from selector.maxtext.importer import from_maxtext
+
+    base = str(maxtext_dir / "configs" / "base.yml")
+    args = [
+        "model_name=qwen3-30b-a3b",
+        "compile_topology=v5p-128",
+        "max_target_length=8192",
+        "search_global_batch=64",
+    ]
+    imported = from_maxtext(base, args)
+    found = layout_search.search(imported.config, route=imported.for_mesh)
+    assert dict(found.refused).get("MAXTEXT_MESH_NOT_ON_TORUS", 0) > 0
+    exchanged = [lay for lay in found.layouts if lay.settings["ici_expert_parallelism"] > 1]
+    assert exchanged and all(
+        lay.settings["expert_exchange"].value == "all_to_all" for lay in exchanged
+    )
+    for layout in [*found.layouts[:4], *exchanged[:2]]:
+        again = from_maxtext(base, [*args, *layout.overrides])
+        plan, findings = selector.api.analyse_any(again.config)
+        assert not errors_in(again.findings + findings), layout.overrides
+        assert plan.chosen_estimate.name == layout.plan.chosen_estimate.name
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_and_the_study_quote_the_stored_search_results():
+    speed = json.loads((ROOT / "bench/results/search.json").read_text())["cases"]
+    maxtext = json.loads((ROOT / "bench/results/search_maxtext.json").read_text())["cases"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    page = (ROOT / "docs/results/search.md").read_text()
+    deepseek = speed["DeepSeek-V3, 256 v5p, 32k, batch 64"]
+    assert f"{deepseek['median_s']:.1f} s on one core" in readme
+    assert f"({deepseek['checked']:,} checks)" in readme
+    for name, row in speed.items():
+        line = f"| {name} | {row['meshes']} | {row['checked']:,} | {row['layouts']} |"
+        assert f"{line} {row['median_s']:.2f} |" in page, name
+    for name, row in maxtext.items():
+        numbers = f"{row['estimate_gib']:.1f} | {row['compiled_gib']:.1f} | {row['error']:+.0%} |"
+        assert numbers in page, name
+        assert f"{row['compiled_gib']:.1f} GiB" in readme, name
+
+
+def test_the_stored_maxtext_cases_are_what_the_search_finds_today(maxtext_dir):
+    """The layouts MaxText compiled are still the search's first: a change of the count
+    or the ranking that moves them makes the stored compiles stale (re-run
+    `python -m bench.search --maxtext BASE_YML`)."""
+    from bench.search import MAXTEXT_CASES
+    from selector.maxtext.importer import from_maxtext
+
+    stored = json.loads((ROOT / "bench/results/search_maxtext.json").read_text())["cases"]
+    base = str(maxtext_dir / "configs" / "base.yml")
+    for name, args in MAXTEXT_CASES.items():
+        imported = from_maxtext(base, args)
+        found = layout_search.search(imported.config, route=imported.for_mesh)
+        assert found.layouts[0].overrides == stored[name]["layout"], name
+
+
+def test_bench_search_check_recomputes_the_stored_tiny_case():
+    from bench.search import main as bench_main
+
+    assert bench_main(["--check"]) == 0

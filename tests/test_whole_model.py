@@ -598,3 +598,32 @@ def test_the_memory_error_names_the_knob_behind_the_whole_steps_larger_share():
     assert est.state_bytes < est.device_bytes - est.state_bytes  # the MoE state alone is not
     (error,) = [f for f in findings if f.code == "MEMORY_EXCEEDED"]
     assert error.setting == "param_dtype"
+
+
+def test_maxtexts_moe_checkpoint_names_are_saved_by_the_policies_that_name_them(maxtext_dir):
+    """MaxText 0.2.5's sparse path tags the gate projection (mlpwi_0) and the down
+    projection (mlpwo) of every routed row, and its shared experts' MlpBlock all three:
+    a policy saving them keeps k x (hidden + emb) a token a MoE layer (compiled: the
+    found qwen3-30b-a3b layout at 131,072 tokens with minimal_with_context holds 107 GiB,
+    and the count without these names said 60.7)."""
+    from selector.step_memory import saved_per_token
+
+    base = str(maxtext_dir / "configs" / "base.yml")
+    qwen = from_maxtext(base, ["model_name=qwen3-30b-a3b"]).config
+    assert qwen.moe_checkpoint_names
+    ours = qwen.replace(moe_checkpoint_names=False)
+    for policy, names in (("minimal", 2048 + 768), ("save_dot_except_mlpwi", 2048), ("full", 0)):
+        extra = saved_per_token(qwen.replace(remat_policy=policy))
+        extra -= saved_per_token(ours.replace(remat_policy=policy))
+        assert extra == 48 * 8 * names, policy
+    # Exchanged over an expert axis of 32, the rows are MaxText's receive buffer's:
+    # min(32, 128 experts / 8) = 16 times the rows a device sends.
+    ep = from_maxtext(base, ["model_name=qwen3-30b-a3b", "ici_expert_parallelism=32"]).config
+    assert ep.expert_exchange.value == "all_to_all"
+    ep = ep.replace(remat_policy="minimal")
+    extra = saved_per_token(ep, 32) - saved_per_token(ep.replace(moe_checkpoint_names=False), 32)
+    assert extra == 48 * 8 * 16 * (2048 + 768)
+    # DeepSeek-V3: 58 MoE layers, 8 routed rows of 2,048 and one shared expert of 2,048.
+    ds = from_maxtext(base, ["model_name=deepseek3-671b"]).config.replace(remat_policy="minimal")
+    extra = saved_per_token(ds) - saved_per_token(ds.replace(moe_checkpoint_names=False))
+    assert extra == 58 * (8 * (2048 + 7168) + 2048 + 2048 + 7168)

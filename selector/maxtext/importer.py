@@ -187,6 +187,20 @@ class MaxTextImport:
     # Whether the exchange is MaxText's (set from its expert axis), not asked for: then
     # this project's own pick may be shown beside it as an alternative.
     exchange_is_maxtexts: bool = False
+    # What a new mesh on this route needs (`for_mesh`): the raw keys it reads
+    # (`ROUTE_KEYS`) and the custom mesh_axes, if a file gave them.
+    route_keys: dict = field(default_factory=dict, repr=False)
+    mesh_axes: tuple | None = None
+
+    def for_mesh(self, cfg: Config) -> tuple[Config, list[Finding]]:
+        """`cfg` (this import's config with other mesh knobs) as MaxText would run it:
+        the exchange its expert axis implies when the files do not ask for one, and
+        whether MaxText can lay the mesh on the slice's torus. What a search on this
+        route checks for each mesh, without re-reading the files."""
+        if self.exchange_is_maxtexts:
+            cfg = as_maxtext_exchanges(cfg, self.route_keys)
+        mesh, _ = build_mesh_view(cfg, None)
+        return cfg, mesh_not_on_torus(self.route_keys, cfg, mesh, self.mesh_axes)
 
     def explain_reason(self, reason: str, plan=None) -> str:
         """The plan's reason with the dispatch's true origin (a dispatch read from
@@ -488,20 +502,16 @@ def from_maxtext(
     )
     values["hardware"] = _hardware(raw, conf_dir, notes)
     values["capacity_rounding"] = CapacityRounding.maxtext
+    values["moe_checkpoint_names"] = True  # its RoutedMoE tags mlpwi_0 and mlpwo
     base = each[0]  # MaxText's own defaults (the root of the chain)
     routed, _, routing_findings = routing(raw, str(model_name or ""), base, notes)
     values.update(routed)
     values.update(_row_tile(raw, over, each, files, sparse and megablox, values["hardware"], notes))
     cfg = Config(**values)
     maxtext_exchange = "expert_exchange" not in raw and sparse
-    if maxtext_exchange and _expert_axis(cfg) > 1:
-        # MaxText's grouped matmul exchanges rows over its expert axis by ragged
-        # all-to-all (read in MaxText 0.2.5's layers/moe.py; not run here).
-        cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
-    elif maxtext_exchange:
-        # Without an expert axis it all-gathers the expert weights: the choice stays
-        # among what MaxText runs; this project's exchange is shown beside it.
-        cfg = cfg.replace(expert_exchange=Exchange.gather)
+    route_keys = {k: raw[k] for k in ROUTE_KEYS if k in raw}
+    if maxtext_exchange:
+        cfg = as_maxtext_exchanges(cfg, route_keys)
     mesh, _ = build_mesh_view(cfg, None)
     found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
@@ -532,6 +542,8 @@ def from_maxtext(
         relevant,
         dispatch_source,
         maxtext_exchange,
+        route_keys,
+        custom.get("mesh_axes"),
     )
 
 
@@ -578,6 +590,36 @@ def _attention_type(raw: dict, notes: list[str]) -> str:
 
 def _expert_axis(cfg: Config) -> int:
     return cfg.ici_expert_parallelism * max(cfg.dcn_expert_parallelism, 1)
+
+
+# Raw keys a route keeps for checking other meshes (`MaxTextImport.for_mesh`).
+ROUTE_KEYS = (
+    "allow_split_physical_axes",
+    "mesh_axes",
+    "ragged_buffer_factor",
+    "expert_buffer_factor",
+)
+
+
+def as_maxtext_exchanges(cfg: Config, raw: dict) -> Config:
+    """`cfg` with the exchange MaxText runs for its expert axis. With one, its grouped
+    matmul exchanges rows over it by ragged all-to-all, in one round, into a receive
+    buffer of the rows a device sends times min(EP, experts / k) (the worst case), or
+    times ragged_buffer_factor when that is set (MaxText 0.2.5's layers/moe.py,
+    get_ragged_buffer_size; read, not run): counted as this project's exchange with
+    expert_buffer_factor at that multiple, unless expert_buffer_factor is given.
+    Without an expert axis it all-gathers the expert weights, and this project's
+    exchange is shown beside it."""
+    ep = _expert_axis(cfg)
+    if ep <= 1:
+        return cfg.replace(expert_exchange=Exchange.gather, expert_group=ExpertGroup.auto)
+    cfg = cfg.replace(expert_exchange=Exchange.all_to_all, expert_group=ExpertGroup.expert)
+    if "expert_buffer_factor" in raw:
+        return cfg
+    factor = coerce("ragged_buffer_factor", raw.get("ragged_buffer_factor", -1.0), float)
+    if factor <= 0:
+        factor = min(ep, cfg.num_experts / max(cfg.num_experts_per_tok, 1))
+    return cfg.replace(expert_buffer_factor=float(factor))
 
 
 __all__ = ["MaxTextError", "MaxTextImport", "fix", "from_maxtext", "parse_overrides"]

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import math
+
 from ..config import Config
-from ..findings import Finding, error, fix
+from ..findings import Finding, Fix, error, fix
 from ..mesh import MeshView
 from ..step_memory import REMAT_SAVES
+from .moves import move
 
 ATTENTION_TYPES = ("global", "mla")  # of MaxText's attention_type values, those counted
 
@@ -90,6 +93,44 @@ def recurrence_needs_ordered_shards(cfg: Config, mesh: MeshView, dev=None) -> li
     ]
 
 
+def tensor_splits_whole_heads(cfg: Config, mesh: MeshView, dev=None) -> list[Finding]:
+    """The tensor axis shards attention heads, and a head cannot be split: grouped-query
+    attention needs the key/value heads (and the query heads) to be a multiple of it.
+    MaxText 0.2.5 refuses the layout at its compile ("num_kv_heads ... must be divisible
+    by 4, the combined size of the mesh axes ['tensor']": its train_compile for
+    qwen3-next-80b-a3b, 2 key/value heads, tensor=4 on v5p-128, run ahead of time on a
+    CPU machine). MLA's heads are all query heads, checked by the same divisibility."""
+    tensor = mesh.size("tensor")
+    if tensor <= 1 or cfg.attention_type not in ("global", "mla"):
+        return []
+    heads = [("base_num_query_heads", cfg.base_num_query_heads)]
+    if cfg.attention_type == "global":
+        heads.append(("base_num_kv_heads", cfg.base_num_kv_heads))
+    bad = [(name, n) for name, n in heads if n % tensor]
+    if not bad:
+        return []
+    name, n = bad[-1]
+    whole = math.gcd(tensor, *(n for _, n in heads))
+    fixes = []
+    for to in ("fsdp", "context", "expert", "data"):
+        moved = move(cfg, mesh, {"tensor": whole}, to=to)
+        if moved:
+            fixes.append(Fix(moved, f"tensor {whole}, its other devices moved to {to}"))
+    return [
+        error(
+            "TENSOR_SPLITS_HEADS",
+            "ici_tensor_parallelism",
+            f"The tensor axis ({tensor} devices) shards the attention heads, but {name}={n} "
+            f"is not a multiple of it: a head cannot be split. MaxText 0.2.5 refuses this "
+            f"at compile. Use a tensor axis that divides the heads ({whole}), and give "
+            "its other devices to another axis.",
+            fixes,
+            no_fix="No single move of the devices keeps the batch and the sequence split "
+            "valid here; search=true lists the layouts of these chips that pass.",
+        )
+    ]
+
+
 MODEL_RULES = (known_remat_policy, known_attention, decoder_sizes)
 # Rules that read the mesh: they run beside the layout rules, after the mesh is known.
-MODEL_LAYOUT_RULES = (recurrence_needs_ordered_shards,)
+MODEL_LAYOUT_RULES = (recurrence_needs_ordered_shards, tensor_splits_whole_heads)
