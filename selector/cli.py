@@ -268,12 +268,12 @@ class _Bar:
             print(f"searching: {done}/{total} meshes", file=sys.stderr, flush=True)
 
 
-def search_report(config, check_first, route=None) -> int:
+def search_report(config, check_first, route=None, spell=None) -> int:
     """`search=true`: the layouts of the config's chips, best first (text or JSON);
     with `compile=true`, then `check_first(layout)`: the first layout checked and
     compiled as a launch with its overrides would be, its report after the search's."""
     try:
-        found = search(config, progress=_Bar(), route=route)
+        found = search(config, progress=_Bar(), route=route, spell=spell)
     except ValueError as exc:
         raise _Usage(str(exc)) from None
     if config.output is OutputFormat.json:
@@ -348,6 +348,7 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
                 [f"maxtext_config={path}", *rest, *top.overrides, "search=false"], False
             ),
             route=imported.for_mesh,
+            spell=imported.launch_settings,
         )
     # compile=true here compiles MaxText's own train step (checks.maxtext_step), not
     # this project's block: the estimate is made without compiling.

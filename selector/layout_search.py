@@ -21,6 +21,7 @@ is refused for every policy without checking them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -150,6 +151,7 @@ def search(
     cfg: Config,
     progress: Callable[[int, int], None] | None = None,
     route: Callable[[Config], tuple[Config, list]] | None = None,
+    spell: Callable[[dict], dict] | None = None,
 ) -> SearchResult:
     """Every layout of `cfg`'s chips that its check passes, fastest first.
 
@@ -161,6 +163,8 @@ def search(
       route: what a route adds for each mesh, `(config) -> (config, findings)`: the
         MaxText route's exchange by its expert axis and its torus check
         (`MaxTextImport.for_mesh`); an error there refuses the mesh.
+      spell: the route's spelling of a layout's settings (the MaxText route's keys,
+        `MaxTextImport.launch_settings`); None: the selector's keys.
 
     Returns:
       The SearchResult: `.layouts` (each `.settings`, `.plan`, `.step`), what was
@@ -215,6 +219,8 @@ def search(
             else:
                 found.append(layout)
     found.sort(key=_rank)
+    if spell is not None:
+        found = [dataclasses.replace(lay, settings=spell(lay.settings)) for lay in found]
     return SearchResult(
         layouts=tuple(found),
         global_batch=batch,

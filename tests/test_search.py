@@ -283,17 +283,22 @@ def test_maxtext_route_layouts_pass_the_routes_own_check(maxtext_dir):
         "search_global_batch=64",
     ]
     imported = from_maxtext(base, args)
-    found = layout_search.search(imported.config, route=imported.for_mesh)
+    found = layout_search.search(
+        imported.config, route=imported.for_mesh, spell=imported.launch_settings
+    )
     assert dict(found.refused).get("MAXTEXT_MESH_NOT_ON_TORUS", 0) > 0
     exchanged = [lay for lay in found.layouts if lay.settings["ici_expert_parallelism"] > 1]
-    assert exchanged and all(
-        lay.settings["expert_exchange"].value == "all_to_all" for lay in exchanged
-    )
+    assert exchanged and all(lay.plan.placement.exchange.value == "all_to_all" for lay in exchanged)
     for layout in [*found.layouts[:4], *exchanged[:2]]:
+        # MaxText's keys only: the dispatch as sparse_matmul, the exchange by the axis.
+        assert not {"dispatch", "expert_exchange", "expert_group"} & set(layout.settings)
+        assert layout.settings["sparse_matmul"] == "true"
         again = from_maxtext(base, [*args, *layout.overrides])
         plan, findings = selector.api.analyse_any(again.config)
         assert not errors_in(again.findings + findings), layout.overrides
         assert plan.chosen_estimate.name == layout.plan.chosen_estimate.name
+        # The re-check counts what the search counted.
+        assert plan.chosen_estimate.device_bytes == pytest.approx(layout.device_bytes)
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,7 +332,9 @@ def test_the_stored_maxtext_cases_are_what_the_search_finds_today(maxtext_dir):
     base = str(maxtext_dir / "configs" / "base.yml")
     for name, args in MAXTEXT_CASES.items():
         imported = from_maxtext(base, args)
-        found = layout_search.search(imported.config, route=imported.for_mesh)
+        found = layout_search.search(
+            imported.config, route=imported.for_mesh, spell=imported.launch_settings
+        )
         assert found.layouts[0].overrides == stored[name]["layout"], name
 
 

@@ -202,6 +202,19 @@ class MaxTextImport:
         mesh, _ = build_mesh_view(cfg, None)
         return cfg, mesh_not_on_torus(self.route_keys, cfg, mesh, self.mesh_axes)
 
+    def launch_settings(self, settings: dict) -> dict:
+        """A searched layout's settings in MaxText's keys: the mesh, batch, remat and
+        tiling as they are, the dispatch as sparse_matmul (with the capacity path's
+        capacity_factor), and the exchange left to the expert axis, as MaxText decides
+        it (an exchange this config asked for stays among its own overrides)."""
+        selector_keys = ("dispatch", "expert_exchange", "expert_group")
+        out = {k: v for k, v in settings.items() if k not in selector_keys}
+        dispatch = settings.get("dispatch")
+        out["sparse_matmul"] = "true" if dispatch is Dispatch.megablox else "false"
+        if dispatch is Dispatch.subgroup_capacity:
+            out["capacity_factor"] = self.config.capacity_factor
+        return out
+
     def explain_reason(self, reason: str, plan=None) -> str:
         """The plan's reason with the dispatch's true origin (a dispatch read from
         MaxText's sparse_matmul in base.yml was not 'requested explicitly') and, given
