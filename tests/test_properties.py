@@ -72,6 +72,9 @@ def plausible_configs(draw, small_chips: bool = False) -> Config:
         max_target_length=2 * cp * draw(st.sampled_from([1, 8, 512])),
         base_emb_dim=64 * sizes["fsdp"],
         base_moe_mlp_dim=64 * sizes["tensor"],
+        # Whole attention heads on every tensor shard (TENSOR_SPLITS_HEADS otherwise).
+        base_num_query_heads=4,
+        base_num_kv_heads=4,
         num_experts=experts,
         num_experts_per_tok=draw(st.integers(1, experts)),
         capacity_factor=draw(st.sampled_from([-1.0, 1.0, 1.25, 2.0])),
