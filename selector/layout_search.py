@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .config import Config, Mode
 from .cost import Verdict
-from .findings import errors_in
+from .findings import errors_in, render_value
 from .plan import DispatchPlan, _analyse
 from .step_memory import REMAT_BY_MEMORY
 from .step_time import NOT_COUNTED, StepTime, step_time
@@ -62,12 +62,12 @@ class Layout:
     @property
     def overrides(self) -> list[str]:
         """The command-line overrides that select this layout."""
-        return [f"{k}={_shown(v)}" for k, v in self.settings.items()]
+        return [f"{k}={render_value(v)}" for k, v in self.settings.items()]
 
     def as_dict(self) -> dict:
         est = self.plan.chosen_estimate
         return {
-            "settings": {k: _shown(v) for k, v in self.settings.items()},
+            "settings": {k: render_value(v) for k, v in self.settings.items()},
             "dispatch": est.name,
             "expert_group": self.plan.placement.group.value,
             "device_gib": self.device_bytes / 2**30,
@@ -104,10 +104,6 @@ class SearchResult:
         }
 
 
-def _shown(value) -> str:
-    return value.value if hasattr(value, "value") else str(value)
-
-
 def factorizations(n: int, axes: int) -> list[tuple[int, ...]]:
     """Every way to write n as an ordered product of `axes` positive factors.
 
@@ -122,18 +118,6 @@ def factorizations(n: int, axes: int) -> list[tuple[int, ...]]:
         if n % d == 0
         for rest in factorizations(n // d, axes - 1)
     ]
-
-
-def _plausible(cfg: Config, sizes: dict) -> bool:
-    """Cheap divisibility a layout needs before the analysis is worth running: the
-    tensor axis splits the query heads, the expert axis the experts, the context axis
-    the sequence (twice over when load-balanced, as MaxText splits it)."""
-    if cfg.base_num_query_heads % sizes["tensor"]:
-        return False
-    if sizes["expert"] > 1 and cfg.num_experts % sizes["expert"]:
-        return False
-    chunks = sizes["context"] * (2 if cfg.context_parallel_load_balance else 1)
-    return sizes["context"] == 1 or cfg.max_target_length % chunks == 0
 
 
 def global_batch(cfg: Config, num_devices: int) -> float:
@@ -193,9 +177,6 @@ def search(
         if progress is not None:
             progress(done, len(meshes))
         sizes = dict(zip(SEARCH_AXES, factors, strict=True))
-        if not _plausible(cfg, sizes):
-            refused["AXIS_DOES_NOT_DIVIDE"] += len(remats)
-            continue
         mesh_cfg = base.replace(**{f"ici_{a}_parallelism": s for a, s in sizes.items()})
         if route is not None:
             mesh_cfg, route_findings = route(mesh_cfg)

@@ -137,10 +137,8 @@ def non_expert_shards(mesh: MeshView) -> int:
     return mesh.product(sorted(axes))
 
 
-def named_activations(cfg: Config, layer: int, expert_shards: int = 1) -> dict[str, float]:
-    """Elements per token of each checkpoint name decoder layer `layer` can save
-    (`expert_shards`: the devices the experts are exchanged over, which size MaxText's
-    receive buffer)."""
+def named_activations(cfg: Config, layer: int) -> dict[str, float]:
+    """Elements per token of each checkpoint name decoder layer `layer` can save."""
     hq, hkv, hd = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
     if cfg.attention_type == "mla":
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -159,13 +157,13 @@ def named_activations(cfg: Config, layer: int, expert_shards: int = 1) -> dict[s
     elif cfg.moe_checkpoint_names and cfg.dispatch is Dispatch.megablox:
         # MaxText's sparse path: per routed row (k a token) the gate projection and the
         # down projection's output before the combine; the shared experts per token.
-        # Exchanged, the rows are its receive buffer's, sized for the worst case when
-        # ragged_buffer_factor is unset (base.yml): min(EP, experts / k) times the rows
-        # a device sends (MaxText 0.2.5's get_ragged_buffer_size, read; its
-        # train_compile for qwen3-next-80b-a3b at EP 16 held 370 GB of temporaries).
+        # Exchanged, the rows are its receive buffer's: expert_buffer_factor times the
+        # rows a device sends, which the MaxText route sets to MaxText's multiple
+        # (`maxtext.importer.as_maxtext_exchanges`; its train_compile for
+        # qwen3-next-80b-a3b at EP 16 held 370 GB of temporaries).
         k, emb = cfg.num_experts_per_tok, cfg.base_emb_dim
-        if cfg.expert_exchange is Exchange.all_to_all and expert_shards > 1:
-            k *= min(expert_shards, cfg.num_experts / k)
+        if cfg.expert_exchange is Exchange.all_to_all:
+            k *= cfg.expert_buffer_factor
         shared = shared_width(cfg.shared_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_gate)
         names["mlpwi_0"] = k * cfg.base_moe_mlp_dim + shared
         names["mlpwo"] = k * emb + (emb if shared else 0)
@@ -174,13 +172,13 @@ def named_activations(cfg: Config, layer: int, expert_shards: int = 1) -> dict[s
     return names
 
 
-def saved_per_token(cfg: Config, expert_shards: int = 1) -> float:
+def saved_per_token(cfg: Config) -> float:
     """Elements per token every layer keeps for the backward: its input, and what the
-    remat policy saves (`expert_shards` as for `named_activations`)."""
+    remat policy saves."""
     saves = REMAT_SAVES[cfg.remat_policy]
     total = 0.0
     for layer in range(cfg.base_num_decoder_layers):
-        named = named_activations(cfg, layer, expert_shards)
+        named = named_activations(cfg, layer)
         total += cfg.base_emb_dim + sum(named.get(name, 0) for name in saves)
     return total
 
@@ -368,9 +366,7 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
         other_params=other,
         layer_other_params=other - outside / non_expert_shards(mesh),
         kv_cache=kv_cache,
-        saved_activations=(
-            tokens * saved_per_token(cfg, mesh.product(mesh.expert_axes)) * xb if train else 0.0
-        ),
+        saved_activations=tokens * saved_per_token(cfg) * xb if train else 0.0,
         logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
         attention_peak=attention_peak(cfg, mesh, tokens, train),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train),

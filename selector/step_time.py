@@ -114,6 +114,10 @@ def _attention_core_flops(cfg: Config, layer: int, tokens: float, seq: int) -> f
     return 2 * 2 * tokens * seq * hq * hd / 2
 
 
+# The checkpoint names an MoE layer's block may carry (`_moe_recomputed_share`).
+_MOE_NAMES = ("mlpwi_0", "mlpwi_1", "mlpwo")
+
+
 def _recomputed_share(cfg: Config, layer: int) -> float:
     """Of one layer's projection FLOPs outside the MoE block, the share the backward
     recomputes: what the remat policy does not save (by the saved outputs' width)."""
@@ -127,9 +131,6 @@ def _recomputed_share(cfg: Config, layer: int) -> float:
     if not width:
         return 1.0
     return sum(w for name, w in named.items() if name not in saves) / width
-
-
-_MOE_NAMES = ("mlpwi_0", "mlpwi_1", "mlpwo")
 
 
 def _moe_recomputed_share(cfg: Config) -> float:
@@ -216,22 +217,21 @@ def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> 
         tensor_sums = _link_seconds(nbytes, ("tensor",), mesh, cfg, sums)
     cp_axes = tuple(a for a in mesh.sequence_axes if mesh.size(a) > 1)
     if cp_axes and cfg.mode is not Mode.decode:
-        full = sum(1 for i in range(layers) if is_full_attention(cfg, i))
-        if cfg.attention_type == "mla":
-            kv_width = cfg.base_num_query_heads * (
-                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-            )
-        else:
-            kv_width = 2 * cfg.base_num_kv_heads * cfg.head_dim
+        full = [i for i in range(layers) if is_full_attention(cfg, i)]
+        # Widths a token of a full-attention layer: its keys and values, its queries
+        # and output (the checkpoint names' widths, `named_activations`).
+        named = named_activations(cfg, full[0] if full else 0)
+        kv_width = named.get("key_proj", 0) + named.get("value_proj", 0)
+        q_width = named.get("query_proj", 0) + named.get("context", 0)
         ulysses = mesh.size("context_usp_ulysses")
         gathered = mesh.cp // max(ulysses, 1)
         kv = dev.local_batch * dev.seq_len * kv_width / max(tensor, 1) * xb
-        nbytes = full * (2 if train else 1) * _ring(gathered) * kv
+        nbytes = len(full) * (2 if train else 1) * _ring(gathered) * kv
         if ulysses > 1:  # queries, keys, values in and the output back, every layer
-            width = (cfg.base_num_query_heads * cfg.head_dim) * 2 + kv_width
-            nbytes += full * (2 if train else 1) * _ring(ulysses) * tokens * width * xb
+            width = q_width + kv_width
+            nbytes += len(full) * (2 if train else 1) * _ring(ulysses) * tokens * width * xb
         context_exchange = _link_seconds(
-            nbytes, cp_axes, mesh, cfg, full * (2 if train else 1) * (1 + (ulysses > 1) * 4)
+            nbytes, cp_axes, mesh, cfg, len(full) * (2 if train else 1) * (1 + (ulysses > 1) * 4)
         )
 
     trip = (hw.loop_trip_us or 0.0) * 1e-6
