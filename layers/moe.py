@@ -8,11 +8,11 @@ Legend: B batch, S sequence, M embedding, H hidden, E experts.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,9 @@ from jax.sharding import Mesh
 
 from selector.config import Config, Dispatch
 from selector.findings import ConfigError, Finding, Fix, Severity
-from selector.plan import DispatchPlan
+
+if TYPE_CHECKING:  # the layers take a plan and call its methods; they import no analysis
+    from selector.plan import DispatchPlan
 
 from . import dense, megablox, subgroup_capacity
 from .ffn import WEIGHT_FIELDS, ExpertWeights, dense_ffn, shared_swiglu
@@ -165,16 +167,15 @@ class HeldPlan:
     """The plan a block was built from, kept to re-plan it at other input shapes.
 
     NNX keeps a module's plain attributes in its graph definition, which `nnx.jit`
-    hashes; the plan's Config is a mutable dataclass holding lists (unhashable, and the
-    caller may change it after the build), so the block holds a private copy, compared by
-    value with the live mesh's shape and the built strategy and exchange."""
+    hashes: the plan is compared by its (frozen) config, the live mesh's shape, and the
+    built strategy and exchange."""
 
     __slots__ = ("plan", "_key")
 
     def __init__(self, plan: DispatchPlan):
-        self.plan = dataclasses.replace(plan, config=copy.deepcopy(plan.config))
-        held = (plan.config, plan.live_shape, plan.strategy, plan.placement.exchange)
-        self._key = repr(held)
+        self.plan = plan
+        shape = tuple(sorted(plan.live_shape.items())) if plan.live_shape else None
+        self._key = (plan.config, shape, plan.strategy, plan.placement.exchange)
 
     @property
     def config(self) -> Config:
@@ -264,7 +265,7 @@ AGREED_SETTINGS = (
 def _the_plan(cfg: Any, plan: DispatchPlan | None) -> DispatchPlan:
     """The plan a block builds from: `plan`, or `cfg` when it is one. A config given
     beside a plan must agree with the one the plan was resolved from."""
-    if isinstance(cfg, DispatchPlan):
+    if _is_plan(cfg):
         if plan is not None and plan is not cfg:
             raise ValueError("MoEBlock was given two plans (cfg and plan=); give one.")
         plan = cfg
@@ -291,6 +292,13 @@ def _the_plan(cfg: Any, plan: DispatchPlan | None) -> DispatchPlan:
                     f"(plan=selector.resolve(cfg, mesh)) or pass the plan alone."
                 )
     return plan
+
+
+def _is_plan(value: Any) -> bool:
+    # Without importing the selector's analysis: a DispatchPlan exists only once
+    # selector.plan has been imported (by whoever resolved it).
+    plan = sys.modules.get("selector.plan")
+    return plan is not None and isinstance(value, plan.DispatchPlan)
 
 
 def _setting(cfg: Any, name: str):

@@ -6,8 +6,11 @@ compiling and timing (`compile=true`, `measure=true`, `compile_check`, `measure_
 run in the `checks` package, found by entry point (`selector.plugins`).
 """
 
-from .api import compile_check, measure_check, register_resolvers, resolve, search, validate
-from .checked import CompileCheck, CompiledCandidate
+import importlib
+
+# Eager: the config types, the findings and the Hydra edge (which imports nothing else
+# of the selector; imported here first so that `selector.compose` stays the function,
+# not the module of the same name).
 from .compose import compose, conf_dir, to_config
 from .config import (
     MESH_AXES,
@@ -23,10 +26,33 @@ from .config import (
     ScoreFunc,
 )
 from .findings import ConfigError, Finding, Fix, Severity
-from .layout_search import Layout, SearchResult
-from .maxtext import MaxTextError, MaxTextImport, from_maxtext
-from .placement import WeightPlacement
-from .plan import Candidate, DispatchPlan
+
+# The analysis and what it returns, imported on first use (PEP 562): the layers take
+# the config types and a plan object, and so never load the cost, rules or policy.
+_WHERE = {
+    **dict.fromkeys(
+        ["compile_check", "measure_check", "register_resolvers", "resolve", "search", "validate"],
+        "api",
+    ),
+    **dict.fromkeys(["CompileCheck", "CompiledCandidate"], "checked"),
+    **dict.fromkeys(["Layout", "SearchResult"], "layout_search"),
+    **dict.fromkeys(["MaxTextError", "MaxTextImport", "from_maxtext"], "maxtext"),
+    "WeightPlacement": "placement",
+    **dict.fromkeys(["Candidate", "DispatchPlan"], "plan"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'selector' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "MESH_AXES",

@@ -40,7 +40,7 @@ def conf_dir() -> Path:
 
 def register_schema() -> None:
     """Register the typed schema so `defaults: [base_config]` type-checks overrides."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=_schema())
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Config)}
@@ -403,8 +403,19 @@ def _preset_base(presets: Mapping[str, Any], complete: bool = False):
 
 @functools.cache
 def _schema() -> DictConfig:
-    # Cached as _composed is (building it costs ~10 ms; merges copy it).
-    return OmegaConf.structured(Config)
+    """Config's schema node, writable: OmegaConf marks a frozen dataclass's node
+    read-only, which would refuse every override merged into it (the Config built from
+    the node is still frozen). Cached as _composed is (building it costs ~10 ms; merges
+    copy it)."""
+    return _writable(OmegaConf.structured(Config))
+
+
+def _writable(node: DictConfig) -> DictConfig:
+    OmegaConf.set_readonly(node, None)
+    for key in node.keys():
+        if OmegaConf.is_dict(child := node._get_node(key)):
+            _writable(child)
+    return node
 
 
 @functools.lru_cache(maxsize=32)

@@ -11,6 +11,22 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 
+
+class Frozen:
+    """A frozen dataclass whose list settings are held as tuples: a config is a value
+    (hashable, compared by value, never changed in place; `replace` and `apply` make a
+    new one). The field types stay lists, the form Hydra's schema and the YAML use."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, _as_tuples(value))
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
 # Mesh axis names, in MaxText's order. A live mesh may name only some of them.
 MESH_AXES: tuple[str, ...] = (
     "data",
@@ -100,8 +116,8 @@ class OutputFormat(str, enum.Enum):
     json = "json"
 
 
-@dataclass
-class Hardware:
+@dataclass(frozen=True)
+class Hardware(Frozen):
     """One accelerator chip and the constants the counted time model prices with
     (`selector.timing`). conf/hardware/ cites each: measured on CPU (`bench.machine`),
     the vendor's published figure on TPU and GPU. A per-op constant nobody publishes is
@@ -155,8 +171,8 @@ class Hardware:
         return tuple(text for key, text in names.items() if getattr(self, key) is None)
 
 
-@dataclass
-class AxisRules:
+@dataclass(frozen=True)
+class AxisRules(Frozen):
     """Which mesh axes shard which dimension of the MoE block (the axis-roles table).
 
     Activations are sharded (batch, sequence, None). Expert weights rest sharded
@@ -187,9 +203,10 @@ class AxisRules:
     )
 
 
-@dataclass
-class Config:
-    """Everything the selector and the layers read. Defaults follow MaxText's base.yml."""
+@dataclass(frozen=True)
+class Config(Frozen):
+    """Everything the selector and the layers read, as one frozen value. Defaults follow
+    MaxText's base.yml."""
 
     # Model (MaxText names). Presets live in conf/model/.
     model_name: str = "tiny"

@@ -2,7 +2,10 @@
 
 - `selector` imports neither jax, flax, `layers` nor `checks`, not even inside a
   function: validation runs anywhere, fast.
-- `layers` takes from `selector` only the plan's types, and never imports `checks`.
+- `layers` takes from `selector` only the config's types, the findings and the sizes the
+  plan prices (the plan itself as a type only, under TYPE_CHECKING), and never imports
+  `checks`: importing every layer loads none of the selector's analysis (cost, rules,
+  policy, plan), which a fresh interpreter shows.
 - `checks` (compile and measure modes) may import both; the selector finds it by the
   `moe_cp.checks` entry points (`selector.plugins`). It never imports `bench`: the
   benchmarks sit above it and are not installed with the package.
@@ -20,9 +23,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NEVER_IN_SELECTOR = {"jax", "jaxlib", "flax", "layers", "checks"}
-# The plan and what it holds: the config's enums and dataclasses, the findings it
-# carries, and the sizes it prices that the layers allocate (selector.plan_sizes).
-PLAN_TYPES = {"selector.plan", "selector.config", "selector.findings", "selector.plan_sizes"}
+# What the layers import from the selector: the config's enums and dataclasses, the
+# findings they raise, and the sizes the plan prices that they allocate. The plan's own
+# module only for type annotations (it imports the analysis).
+PLAN_TYPES = {"selector.config", "selector.findings", "selector.plan_sizes"}
+TYPE_ONLY = {"selector.plan"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -37,13 +42,19 @@ def _is_module(name: str, root: Path) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def imports_of(path: Path, root: Path) -> set[str]:
+def imports_of(path: Path, root: Path, types: bool = False) -> set[str]:
     """Every module `path` imports, anywhere in it, as absolute dotted names
-    (`from pkg import mod` names pkg.mod when mod is a module of the tree)."""
+    (`from pkg import mod` names pkg.mod when mod is a module of the tree). Imports
+    under `if TYPE_CHECKING:` are left out, or with types=True are all that is read."""
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typed = [n for n in ast.walk(tree) if isinstance(n, ast.If) and _type_checking(n.test)]
+    typed_nodes = {id(n) for block in typed for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if (id(node) in typed_nodes) != types:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -59,6 +70,10 @@ def imports_of(path: Path, root: Path) -> set[str]:
         elif isinstance(node, ast.Call) and _dynamic_import(node):
             found.add(node.args[0].value)
     return found
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING"
 
 
 def _dynamic_import(node: ast.Call) -> bool:
@@ -87,6 +102,10 @@ def violations(root: Path) -> list[str]:
                 if package == "layers" and top == "selector":
                     if imported not in PLAN_TYPES:
                         out.append(f"{module} imports {imported} (layers take only plan types)")
+            if package == "layers":
+                for imported in sorted(imports_of(path, root, types=True)):
+                    if imported.split(".")[0] == "selector" and imported not in PLAN_TYPES | TYPE_ONLY:
+                        out.append(f"{module} imports {imported} (layers take only plan types)")
     return out
 
 
@@ -109,6 +128,9 @@ def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
         "layers/moe.py": "from selector import api\n",
         "layers/spec.py": "from selector import api, plan\n",
         "layers/router.py": "import selector\n",
+        "layers/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from selector.plan import DispatchPlan\n    from selector.cost import Estimate\n",
+        "layers/runtime.py": "from selector.plan import DispatchPlan\n",
         "checks/__init__.py": "",
         "checks/ok.py": "from layers import moe\nfrom selector import api\n",
         "checks/study.py": "def main():\n    from bench.common import save\n",
@@ -125,9 +147,45 @@ def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
         "selector.relative imports layers.moe (the selector stays jax-free)",
         "layers.moe imports selector.api (layers take only plan types)",
         "layers.router imports selector (layers take only plan types)",
+        "layers.runtime imports selector.plan (layers take only plan types)",
         "layers.spec imports selector.api (layers take only plan types)",
+        "layers.spec imports selector.plan (layers take only plan types)",
+        "layers.typed imports selector.cost (layers take only plan types)",
         "checks.study imports bench.common (the benchmarks sit above checks)",
     ]
+
+
+# What importing every layer may load of the selector (its package runs the Hydra edge
+# on import; compose imports only config and findings).
+LAYERS_LOAD = {
+    "selector",
+    "selector.compose",
+    "selector.config",
+    "selector.findings",
+    "selector.plan_sizes",
+}
+
+
+def test_importing_the_layers_loads_none_of_the_analysis():
+    """In a fresh interpreter, importing every module of `layers` loads only the
+    selector's config, findings and plan sizes: not its cost, rules, policy or plan."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.subproc import probe_env
+
+    code = (
+        "import importlib, json, pkgutil, sys, layers\n"
+        "for m in pkgutil.iter_modules(layers.__path__):\n"
+        "    importlib.import_module('layers.' + m.name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'selector')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=probe_env(1), cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(json.loads(out.stdout.strip().splitlines()[-1])) == LAYERS_LOAD
 
 
 def test_pyproject_registers_each_check_and_the_selector_finds_it():
