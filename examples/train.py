@@ -32,12 +32,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 import selector
+from selector.compose import schema_node
 from selector.config import Config
 from selector.jax_start import quiet_jax_start
 from selector.report import render_text
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
     steps: int = 20
     learning_rate: float = 3e-3
@@ -50,7 +51,7 @@ class TrainSettings:
     plot: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(Config):
     """The selector's settings plus the training ones (the `train:` node)."""
 
@@ -58,7 +59,7 @@ class TrainConfig(Config):
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="train_schema", node=schema_node(TrainConfig))
 
 
 def split(cfg) -> tuple[Config, TrainSettings]:

@@ -7,6 +7,7 @@ run in the `checks` package, found by entry point (`selector.plugins`).
 """
 
 import importlib
+import importlib.util
 
 # Eager: the config types, the findings and the Hydra edge (which imports nothing else
 # of the selector; imported here first so that `selector.compose` stays the function,
@@ -43,9 +44,12 @@ _WHERE = {
 
 
 def __getattr__(name: str):
-    if name not in _WHERE:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # selector.api, ...
+        value = importlib.import_module(f".{name}", __name__)
+    else:
         raise AttributeError(f"module 'selector' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     globals()[name] = value
     return value
 

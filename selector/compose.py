@@ -403,11 +403,31 @@ def _preset_base(presets: Mapping[str, Any], complete: bool = False):
 
 @functools.cache
 def _schema() -> DictConfig:
-    """Config's schema node, writable: OmegaConf marks a frozen dataclass's node
-    read-only, which would refuse every override merged into it (the Config built from
-    the node is still frozen). Cached as _composed is (building it costs ~10 ms; merges
-    copy it)."""
-    return _writable(OmegaConf.structured(Config))
+    # Cached as _composed is (building it costs ~10 ms; merges copy it).
+    return schema_node(Config)
+
+
+def schema_node(schema: type) -> DictConfig:
+    """The Hydra schema node of a frozen config dataclass (Config, or a script's
+    subclass of it), writable: OmegaConf marks a frozen dataclass's node read-only,
+    which would refuse every override merged into it. What `to_config` builds from the
+    node is frozen again.
+
+    Args:
+      schema: the dataclass (`selector.Config` or a frozen subclass).
+
+    Returns:
+      Its structured DictConfig, for `ConfigStore.instance().store(node=...)`.
+
+    Examples:
+      >>> from selector.compose import schema_node
+      >>> from selector.config import Config
+      >>> node = schema_node(Config)
+      >>> node.num_experts = 16  # overrides merge into it
+      >>> node.num_experts
+      16
+    """
+    return _writable(OmegaConf.structured(schema))
 
 
 def _writable(node: DictConfig) -> DictConfig:

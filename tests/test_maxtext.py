@@ -207,7 +207,7 @@ def test_a_weight_axis_given_twice_is_a_finding(tmp_path, base):
     (f,) = [f for f in imported.findings if f.code == "MAXTEXT_AXIS_USED_TWICE"]
     assert "exp -> ['expert'] (expert taken)" in f.message
     rules = imported.config.axis_rules
-    assert rules.experts == [] and rules.embed == ["fsdp", "expert"]
+    assert rules.experts == () and rules.embed == ("fsdp", "expert")
 
 
 def test_ignored_keys_are_counted_and_only_those_that_matter_listed(base):
@@ -342,8 +342,8 @@ def test_custom_mesh_and_rule_is_read_as_maxtext_reads_it(base):
     folded = selector.from_maxtext(
         base, [*common, "ici_fsdp_parallelism=2", "custom_mesh_and_rule=cp-as-ep"]
     )
-    assert plain.config.axis_rules.experts == ["expert"]
-    assert folded.config.axis_rules.experts == ["context", "expert"]
+    assert plain.config.axis_rules.experts == ("expert",)
+    assert folded.config.axis_rules.experts == ("context", "expert")
     assert any("cp-as-ep.yml" in n for n in folded.notes)
     with pytest.raises(selector.MaxTextError, match="cp-as-ep"):
         selector.from_maxtext(base, [*common, "custom_mesh_and_rule=nope"])
