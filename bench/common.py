@@ -315,6 +315,38 @@ def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | Non
     return args
 
 
+def check_stored(
+    study: str, fresh: list[dict], key: tuple[str, ...], counted=(), compiled=()
+) -> int:
+    """A benchmark's `--check`: each freshly computed row against the stored row of
+    bench/results/<study>.json with the same `key` values. The `counted` columns (this
+    project's own counts) must agree everywhere; the `compiled` ones (a compiler's bytes)
+    where the stored JSON was written with the jax installed here. 0 when all agree;
+    otherwise what differs is printed and 1 returned."""
+    import jax
+
+    stored = load(study)
+    same_stack = stored.get("machine", {}).get("jax") == jax.__version__
+    rows = {tuple(r.get(k) for k in key): r for r in stored["rows"]}
+    diffs = []
+    for row in fresh:
+        old = rows.get(tuple(row[k] for k in key))
+        if old is None:
+            diffs.append(f"{[row[k] for k in key]}: no stored row")
+            continue
+        for column in (*counted, *(compiled if same_stack else ())):
+            a, b = row[column], old[column]
+            if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1.0):
+                diffs.append(f"{column} of {[row[k] for k in key]}: {a:.6g} now, {b:.6g} stored")
+    what = "counts" + (" and compiled bytes" if same_stack else "")
+    if diffs:
+        print(f"bench.{study} --check: stale {study}.json ({what}): " + "; ".join(diffs))
+        print(f"Re-run python -m bench.{study} to refresh it.")
+        return 1
+    print(f"bench.{study} --check: {len(fresh)} row(s) agree with {study}.json ({what})")
+    return 0
+
+
 def prediction_errors(
     rows: list[dict], keys=("arguments_error", "outputs_error", "temp_error", "total_error")
 ) -> list[float]:

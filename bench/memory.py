@@ -9,6 +9,7 @@ exchanged block's fwd+bwd against the gathered one's on this CPU (interleaved ru
 ratio of medians).
 
     python -m bench.memory
+    python -m bench.memory --check   # megablox at cp 8 again, compared to memory.json
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bench.common import (  # noqa: E402
     EXCHANGE_TIME_COLUMNS,
     MEMORY_COLUMNS,
     arguments,
+    check_stored,
     interleaved,
     load,
     log_x_axis,
@@ -79,9 +81,9 @@ def flatten_row(cp: int) -> dict:
     }
 
 
-def rows_for(cp: int) -> list[dict]:
+def rows_for(cp: int, variants=VARIANTS) -> list[dict]:
     out = []
-    for strategy, exchange in VARIANTS:
+    for strategy, exchange in variants:
         if exchange == "all_to_all" and cp == 1:
             continue  # no expert group on one device: the same program as gathered
         m = measure(point(strategy, exchange, cp))
@@ -99,7 +101,8 @@ def rows_for(cp: int) -> list[dict]:
                 "error": f"{predicted / total - 1:+.1%}",
             }
         )
-    out.append(flatten_row(cp))
+    if variants == VARIANTS:
+        out.append(flatten_row(cp))
     return out
 
 
@@ -191,9 +194,18 @@ def repredicted(payload: dict) -> dict:
 
 def main() -> None:
     repredict = {"action": "store_true", "help": "the selector's column again from the JSON"}
-    args = arguments("memory", __doc__, plot, runs={"type": int, "default": 3}, repredict=repredict)
+    check = {"action": "store_true", "help": "one point again, compared to memory.json"}
+    args = arguments(
+        "memory", __doc__, plot, runs={"type": int, "default": 3}, repredict=repredict, check=check
+    )
     if args is None:
         return
+    if args.check:
+        fresh = rows_for(8, (("megablox", "gather"), ("megablox", "all_to_all")))
+        compiled = ("arguments_mib", "temp_mib")
+        raise SystemExit(
+            check_stored("memory", fresh, ("variant", "cp"), ("predicted_mib",), compiled)
+        )
     if args.repredict:
         payload = repredicted(load("memory"))
         print(table(payload["rows"], MEMORY_COLUMNS))

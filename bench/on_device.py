@@ -22,7 +22,7 @@ the devices when there are several, one device otherwise):
 - first, the machine constants the counted time prices with, measured on the chip
   beside the preset's published figures: a large bf16 matmul's TFLOP/s, HBM bandwidth
   (one fused elementwise pass, bytes read and written), a program call, a kernel launch
-  and a loop trip (bench.machine's microbenchmarks).
+  and a loop trip (bench.calibration.machine's microbenchmarks).
 
 The budget (`--budget`, seconds) stops it starting another config; the JSON is
 rewritten after each step, so what ran is kept if the chip is taken back mid-way, and a
@@ -214,12 +214,12 @@ def time_layer(layer: Layer, hardwares: dict, devices: int, dry: bool, rounds: i
 
 
 def _curve(rows: list[dict]) -> list[list[float]]:
-    """bench.machine's curve rows as the preset's [MFLOPs, TFLOP/s] pairs."""
+    """bench.calibration.machine's curve rows as the preset's [MFLOPs, TFLOP/s] pairs."""
     return [[r["mflops"], r["tflops"]] for r in rows]
 
 
 def chip_constants(preset, dry: bool) -> dict:
-    """The constants the counted time prices with, measured here by bench.machine's
+    """The constants the counted time prices with, measured here by bench.calibration.machine's
     microbenchmarks (no MoE block), in the chip's compute dtype and at the sizes of the
     layers' dots, beside the preset's published figures.
 
@@ -232,7 +232,7 @@ def chip_constants(preset, dry: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from bench import machine
+    from bench.calibration import machine
 
     dtype = "float32" if dry else "bfloat16"
     n = 256 if dry else 8192

@@ -14,7 +14,8 @@ import jax
 import selector
 from checks.compiled import compile_plan, read, target_of
 from selector.api import analyse_any
-from selector.cost import held_buffers, problem_shape, program_key
+from selector.memory_model import held_buffers, program_key
+from selector.problem import problem_shape
 from selector.traits import jax_release
 
 

@@ -78,7 +78,7 @@ def calibrate_table(cal: dict) -> tuple[str, int, int]:
 
 
 def calibrate_section(cal: dict) -> list[str]:
-    """One compiler's memory-model table (bench.calibrate --target ...)."""
+    """One compiler's memory-model table (bench.calibration.calibrate --target ...)."""
     text, within, programs = calibrate_table(cal)
     return [
         f"{cal['compiler']}, {len(cal['rows'])} fitted and {len(cal['holdout_rows'])} "

@@ -9,6 +9,7 @@ per-device bytes, at cp = 1, 2, 4 on a (data=2, context=cp) mesh.
   about: raising cp then "saves no memory").
 
     python -m bench.train_memory
+    python -m bench.train_memory --check   # the trap at cp 2 again, compared to the JSON
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import selector  # noqa: E402
 from bench.common import (  # noqa: E402
     TRAIN_COLUMNS,
     arguments,
+    check_stored,
     log_x_axis,
     machine,
     pyplot,
@@ -84,8 +86,15 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    if arguments("train_memory", __doc__, plot) is None:
+    check = {"action": "store_true", "help": "one point again, compared to the JSON"}
+    args = arguments("train_memory", __doc__, plot, check=check)
+    if args is None:
         return
+    if args.check:
+        row = {"setting": "per_device_batch_size=1", **compiled_step_bytes(2, 1.0)}
+        counted = ("global_batch", "tokens_per_device")
+        compiled = ("arguments_mib", "temp_mib")
+        raise SystemExit(check_stored("train_memory", [row], ("setting", "cp"), counted, compiled))
     rows = []
     for setting, pdbs in (
         ("fixed global batch", lambda cp: 1 / cp),

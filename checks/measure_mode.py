@@ -6,7 +6,7 @@ candidate and the others that fit (up to `MAX_TIMED`, fastest estimated first) a
 compiled and run interleaved, round after round (one step of each per round, so a
 noisy machine slows them alike), and the fastest median among those that fit wins.
 `measure_save=PATH` writes what was timed beside what was counted (JSON); the counted
-model never reads it back: its constants are the machine's (`python -m bench.machine`).
+model never reads it back: its constants are the machine's (`python -m bench.calibration.machine`).
 
 The selector calls `check` through the `moe_cp.checks` entry point (`measure`). The
 logic here is pure; timing needs jax and the layers, imported only when the check runs
@@ -120,6 +120,6 @@ def _differs(plan: DispatchPlan, measured, first: Key, fastest: Key) -> Finding:
         f"{a.median * 1e3:.3g} ms a step (estimated {a.estimate.time_s * 1e3:.3g}) and "
         f"{b.name} {b.median * 1e3:.3g} ms (estimated {b.estimate.time_s * 1e3:.3g}): the "
         f"choice follows the measurement ({b.name}). On a machine whose constants the "
-        "hardware preset does not hold, measure them (python -m bench.machine) and give "
+        "hardware preset does not hold, measure them (python -m bench.calibration.machine) and give "
         "them as hardware.* overrides.",
     )

@@ -16,7 +16,24 @@ import jax.numpy as jnp
 class ExpertWeights:
     """Router, routed-expert and shared-expert weights as the strategies see them (a
     pytree; the optional parts are None when the model has none). S is the shared
-    experts' hidden dim (selector.problem.shared_width)."""
+    experts' hidden dim (selector.plan_sizes.shared_width).
+
+    Attributes:
+      gate_ME: the router kernel; bias_E: its routed bias (steers selection only).
+      wi_0_EMH, wi_1_EMH, wo_EHM: the routed experts' SwiGLU (M the embedding, E the
+        experts, H an expert's hidden dim).
+      shared_*: the shared experts' SwiGLU and gate, None when the model has none.
+
+    Examples:
+      >>> import layers, selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> from flax import nnx
+      >>> block = layers.MoEBlock(plan, mesh=layers.mesh_for_plan(plan), rngs=nnx.Rngs(0))
+      >>> w = block.weights()
+      >>> w.gate_ME.shape, w.wi_0_EMH.shape, w.shared_wi_0_MS is None
+      ((64, 8), (8, 64, 128), True)
+    """
 
     gate_ME: jax.Array
     wi_0_EMH: jax.Array

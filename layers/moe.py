@@ -499,7 +499,20 @@ class MoEBlock(nnx.Module):
 
 
 class MlpBlock(nnx.Module):
-    """A dense SwiGLU block: what the bug reports fell back to, and the speed baseline."""
+    """A dense SwiGLU block: what the bug reports fell back to, and the speed baseline.
+
+    Args:
+      emb, hidden: the embedding and hidden widths.
+      dtype: the compute dtype (the weights are stored in float32).
+      rngs: the initialisers' keys.
+
+    Examples:
+      >>> import jax.numpy as jnp, layers
+      >>> from flax import nnx
+      >>> mlp = layers.MlpBlock(64, 128, rngs=nnx.Rngs(0))
+      >>> mlp(jnp.ones((2, 16, 64))).shape  # (batch, sequence, emb) in and out
+      (2, 16, 64)
+    """
 
     def __init__(self, emb: int, hidden: int, *, dtype: str = "float32", rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()

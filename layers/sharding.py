@@ -20,7 +20,22 @@ from .weights import WEIGHTS, Weight
 
 
 def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
-    """A mesh with auto axis types; `sizes` maps axis names (selector spelling) to sizes."""
+    """A mesh with auto axis types (what the MoE block places its arrays with).
+
+    Args:
+      sizes: axis names (selector spelling) to sizes, in the mesh's order.
+      devices: the devices to lay out (default: `jax.devices()`); the first
+        prod(sizes) of them are used.
+
+    Returns:
+      The `jax.sharding.Mesh`. Raises ValueError when there are too few devices.
+
+    Examples:
+      >>> import layers
+      >>> mesh = layers.make_mesh({"data": 2, "context": 4})  # 8 simulated CPU devices
+      >>> dict(mesh.shape)
+      {'data': 2, 'context': 4}
+    """
     names = tuple(sizes)
     shape = tuple(int(sizes[n]) for n in names)
     devices = jax.devices() if devices is None else devices
@@ -32,7 +47,22 @@ def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
 
 
 def mesh_for_plan(plan, devices=None) -> Mesh:
-    """The mesh a plan resolved from config describes (every selector axis, auto types)."""
+    """The mesh a plan resolved from config describes (every selector axis, auto types).
+
+    Args:
+      plan: a DispatchPlan (`selector.resolve` of a config, no live mesh).
+      devices: as for `make_mesh`.
+
+    Returns:
+      The `jax.sharding.Mesh` with every selector axis, sized as the plan says.
+
+    Examples:
+      >>> import layers, selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> {k: v for k, v in layers.mesh_for_plan(plan).shape.items() if v > 1}
+      {'fsdp': 2, 'context': 4}
+    """
     return make_mesh(dict(plan.mesh.sizes), devices)
 
 

@@ -15,6 +15,29 @@ from .sharding import Layout
 
 @dataclass(frozen=True)
 class MoESpec:
+    """What the dispatch strategies read of a block, fixed when it is built: the model's
+    sizes and routing, the grouped matmul and the exchange (None when the weights are
+    gathered), and the plan's capacity. `MoESpec.from_config(cfg, plan, layout)` makes
+    it.
+
+    Attributes:
+      num_experts, top_k, emb, hidden, norm_topk_prob, score_func, routed_*,
+        n_routing_groups, topk_routing_group, shared_*: the model's MoE (MaxText's keys).
+      capacity_factor, capacity_rounding, capacity_per_subgroup, subgroup_len: the
+        capacity path's slots, as the plan counted them.
+      dtype, gmm_backend, gmm_row_tile, platform: how the grouped matmul runs.
+      exchange: the expert group's exchange (None when the weights are gathered).
+
+    Examples:
+      >>> import layers, selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> from flax import nnx
+      >>> block = layers.MoEBlock(plan, mesh=layers.mesh_for_plan(plan), rngs=nnx.Rngs(0))
+      >>> block.spec.num_experts, block.spec.top_k, block.spec.exchange is None
+      (8, 2, True)
+    """
+
     num_experts: int
     top_k: int
     emb: int

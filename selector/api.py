@@ -83,14 +83,31 @@ def compile_check(cfg: Any, mesh: Any = None, *, progress=None) -> CompileCheck:
     """Choose as `resolve` does, then compile the chosen candidate and the runner-up for
     the config's hardware on this machine (XLA:TPU through libtpu, XLA:GPU through JAX's
     CUDA plugin, XLA:CPU on simulated devices) and choose again with XLA's memory
-    numbers. Returns the CompileCheck: `.plan` (its choice follows the compiled
-    numbers; pass it to `layers.MoEBlock(cfg, mesh=..., plan=...)`), `.compiled` (each
-    candidate estimated beside compiled) and `.findings`. Raises ConfigError when the
-    config has errors, before compiling or after (a compiled program that does not fit
-    is COMPILED_MEMORY_EXCEEDED), and `selector.targets.TargetUnavailable` naming the
-    extra to install when the compiler plugin is missing (or the `checks` package,
-    `selector.plugins.ChecksUnavailable`). `progress(message)` hears
-    each step (compiles take minutes at the real models' sizes)."""
+    numbers.
+
+    Args:
+      cfg: a Config, DictConfig or mapping, as for `resolve`.
+      mesh: a live mesh, or None (the config's mesh knobs).
+      progress: called with each step's message (compiles take minutes at the real
+        models' sizes).
+
+    Returns:
+      The CompileCheck: `.plan` (its choice follows the compiled numbers; pass it to
+      `layers.MoEBlock(cfg, mesh=..., plan=...)`), `.compiled` (each candidate estimated
+      beside compiled) and `.findings`. Raises ConfigError when the config has errors,
+      before compiling or after (a compiled program that does not fit is
+      COMPILED_MEMORY_EXCEEDED), and `selector.targets.TargetUnavailable` naming the
+      extra to install when the compiler plugin is missing (or the `checks` package,
+      `selector.plugins.ChecksUnavailable`).
+
+    Examples:
+      >>> import selector
+      >>> checked = selector.compile_check(selector.compose(["model=tiny", "mesh=cpu_8"]))
+      >>> checked.target, [c.name for c in checked.compiled], checked.changed
+      ('cpu, 8 simulated devices', ['megablox/gather', 'megablox/all_to_all'], False)
+      >>> checked.compiled[0].compiled.temp > 0  # XLA's bytes beside the estimate's
+      True
+    """
     config, notes = _typed(cfg, mesh)
     check = check_mode("compile")
     plan, findings, checked = check(config, live_mesh_shape(mesh), progress=progress)
@@ -106,8 +123,8 @@ def measure_check(cfg: Any, mesh: Any = None, *, progress=None, time_fn=None) ->
     `measure_rounds` of them) and choose the measured fastest.
 
     Args:
-      cfg: a Config, DictConfig or mapping (`measure_save=PATH` also writes the time
-        calibration these measurements give).
+      cfg: a Config, DictConfig or mapping (`measure_save=PATH` also writes what was
+        timed beside what was counted, as JSON).
       mesh: a live mesh, or None (the config's mesh on `jax.devices()`).
       progress: called with each step's message.
       time_fn: `(config, keys, rounds) -> {key: [seconds]}`; default: build and run each
@@ -115,8 +132,17 @@ def measure_check(cfg: Any, mesh: Any = None, *, progress=None, time_fn=None) ->
 
     Returns:
       The MeasureCheck: `.plan` (its choice follows the medians), `.measured` (each
-      candidate's estimated and measured times), `.calibration()`. Raises ConfigError
-      when the config has errors.
+      candidate's estimated and measured times). Raises ConfigError when the config has
+      errors.
+
+    Examples:
+      >>> import selector
+      >>> def times(config, keys, rounds):  # given timings: the last candidate fastest
+      ...     return {k: [0.002 if k == keys[-1] else 0.003] * rounds for k in keys}
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "measure_rounds=3"])
+      >>> measured = selector.measure_check(cfg, time_fn=times)
+      >>> [c.name for c in measured.measured], measured.plan.chosen_estimate.name
+      (['megablox/gather', 'megablox/all_to_all', 'dense'], 'dense')
     """
     config, notes = _typed(cfg, mesh)
     measure = check_mode("measure")
@@ -231,5 +257,17 @@ def register_resolvers() -> None:
     where the app's own keys may sit beside them and only a key that looks like a
     misspelled setting (`num_expert`) is an error. Returns the chosen strategy name; a
     config with errors raises ConfigError.
+
+    Returns:
+      None; the resolver is registered (again, replacing any before).
+
+    Examples:
+      >>> import selector
+      >>> from omegaconf import OmegaConf
+      >>> selector.register_resolvers()
+      >>> app = OmegaConf.create({"model": "tiny", "mesh": "cpu_8",
+      ...                         "run": {"dispatch": "${moe_dispatch:}"}})
+      >>> app.run.dispatch
+      'megablox'
     """
     OmegaConf.register_new_resolver("moe_dispatch", _moe_dispatch, replace=True)

@@ -41,7 +41,23 @@ class StepCompiled:
 @dataclass(frozen=True)
 class CompiledCandidate:
     """One candidate as estimated and as compiled (bytes per device): its MoE block
-    alone, or (`step`) the whole training step of the decoder with it."""
+    alone, or (`step`) the whole training step of the decoder with it.
+
+    Attributes:
+      estimate: the selector's count; as_compiled: the same with XLA's memory and the
+        fit that follows.
+      flops, bytes_accessed: XLA's cost analysis; seconds: the compile's time here.
+      step: the whole step's memory, when the step was compiled.
+
+    Examples (`selector.compile_check` makes them; one built by hand here):
+      >>> import selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8"]))
+      >>> from selector.checked import CompiledCandidate
+      >>> est = plan.chosen_estimate
+      >>> c = CompiledCandidate(est, est, flops=0.0, bytes_accessed=0.0, seconds=0.0)
+      >>> c.name, c.temp_error
+      ('megablox/gather', 0.0)
+    """
 
     estimate: Estimate
     as_compiled: Estimate  # the estimate with XLA's memory, and the fit that follows
@@ -123,7 +139,22 @@ class Recheck:
 
 @dataclass(frozen=True)
 class CompileCheck(Recheck):
-    """The plan after compiling, and what was compiled."""
+    """The plan after compiling, and what was compiled (`selector.compile_check`
+    returns it; its example compiles one).
+
+    Attributes:
+      plan: the plan chosen again with the compiled numbers.
+      estimated_choice: what the estimate alone chose; `changed` says if that moved.
+      target: the chips compiled for; compiled: each candidate, estimated and compiled.
+
+    Examples (one built by hand, with nothing compiled):
+      >>> import selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8"]))
+      >>> from selector import CompileCheck
+      >>> checked = CompileCheck(plan, plan.chosen_estimate.name, target=plan.target)
+      >>> checked.changed, checked.as_dict()["choice"]
+      (False, 'megablox/gather')
+    """
 
     target: str = ""
     compiled: tuple[CompiledCandidate, ...] = ()

@@ -27,7 +27,16 @@ SCHEMA_NAME = "base_config"
 
 
 def conf_dir() -> Path:
-    """The config tree: `selector/conf` in an installed wheel, `conf/` in a checkout."""
+    """The config tree: `selector/conf` in an installed wheel, `conf/` in a checkout.
+
+    Returns:
+      The folder holding config.yaml and the model, mesh and hardware groups.
+
+    Examples:
+      >>> import selector
+      >>> sorted(p.name for p in selector.conf_dir().iterdir() if p.is_dir())
+      ['hardware', 'mesh', 'model']
+    """
     here = Path(__file__).resolve().parent
     for candidate in (here / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():

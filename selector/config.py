@@ -27,6 +27,7 @@ class Frozen:
 def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
+
 # Mesh axis names, in MaxText's order. A live mesh may name only some of them.
 MESH_AXES: tuple[str, ...] = (
     "data",
@@ -40,7 +41,18 @@ MESH_AXES: tuple[str, ...] = (
 
 
 class Dispatch(str, enum.Enum):
-    """How the MoE block moves tokens to experts. `auto` lets the selector choose."""
+    """How the MoE block moves tokens to experts (the `dispatch` setting).
+
+    Members: `auto` (the selector chooses), `dense` (every token through every expert,
+    weighted), `subgroup_capacity` (capacity slots per sequence shard), `megablox` (the
+    routed rows sorted by expert through a grouped matmul), `mlp` (one expert: a plain
+    SwiGLU block).
+
+    Examples:
+      >>> from selector import Dispatch
+      >>> Dispatch("megablox") is Dispatch.megablox, Dispatch.megablox.value
+      (True, 'megablox')
+    """
 
     auto = "auto"
     dense = "dense"
@@ -61,13 +73,32 @@ class GmmBackend(str, enum.Enum):
 
 
 class Mode(str, enum.Enum):
+    """What the step does (the `mode` setting): `train` (forward and backward over the
+    sequence), `prefill` (a forward over the prompt) or `decode` (one new token a
+    sequence, the context held in the KV cache).
+
+    Examples:
+      >>> from selector import Mode
+      >>> [m.value for m in Mode]
+      ['train', 'prefill', 'decode']
+    """
+
     train = "train"
     prefill = "prefill"
     decode = "decode"
 
 
 class Exchange(str, enum.Enum):
-    """How expert weights meet the tokens. `auto` lets the selector choose."""
+    """How expert weights meet the tokens (the `expert_exchange` setting): `gather`
+    (every device gathers the experts' weights, FSDP-style), `all_to_all` (the weights
+    stay on their owners and the routed rows travel; megablox only), or `auto` (the
+    selector weighs both).
+
+    Examples:
+      >>> from selector import Exchange
+      >>> Exchange("all_to_all").name
+      'all_to_all'
+    """
 
     auto = "auto"
     gather = "gather"
@@ -75,8 +106,16 @@ class Exchange(str, enum.Enum):
 
 
 class ExpertGroup(str, enum.Enum):
-    """Which axes form the expert group when rows are exchanged. `auto` folds the
-    sequence axes in when that divides num_experts."""
+    """Which axes form the expert group when rows are exchanged (the `expert_group`
+    setting): `expert` (the expert axes alone), `expert_and_sequence` (the sequence axes
+    folded in), `expert_sequence_and_fsdp` (fsdp too), or `auto` (the selector weighs
+    every group the layers run, by the same counted time and memory).
+
+    Examples:
+      >>> from selector import ExpertGroup
+      >>> ExpertGroup.auto.value, len(ExpertGroup)
+      ('auto', 4)
+    """
 
     auto = "auto"
     expert = "expert"  # the expert axes alone
@@ -87,7 +126,14 @@ class ExpertGroup(str, enum.Enum):
 
 
 class ScoreFunc(str, enum.Enum):
-    """How router logits become expert scores (MaxText's routed_score_func)."""
+    """How router logits become expert scores (MaxText's routed_score_func):
+    `softmax` over the experts, or `sigmoid` (independent scores, DeepSeek-V3).
+
+    Examples:
+      >>> from selector import ScoreFunc
+      >>> ScoreFunc("sigmoid")
+      <ScoreFunc.sigmoid: 'sigmoid'>
+    """
 
     softmax = "softmax"
     sigmoid = "sigmoid"  # DeepSeek-V3: independent scores, renormalised over the top-k
@@ -95,7 +141,13 @@ class ScoreFunc(str, enum.Enum):
 
 class ContextStrategy(str, enum.Enum):
     """How attention meets the other sequence shards' keys and values (MaxText's
-    context_parallel_strategy)."""
+    context_parallel_strategy): `all_gather`, `ring`, `ulysses` or `usp`.
+
+    Examples:
+      >>> from selector import ContextStrategy
+      >>> ContextStrategy("ulysses").value
+      'ulysses'
+    """
 
     all_gather = "all_gather"  # keys and values all-gathered over the context axes
     ring = "ring"  # passed round the ring: a device holds its own and the next shard's
@@ -104,8 +156,15 @@ class ContextStrategy(str, enum.Enum):
 
 
 class CapacityRounding(str, enum.Enum):
-    """Per-subgroup capacity formula: ours, max(1, ceil(g k / E x cf)), or MaxText's,
-    int(max(ceil(g k / E) x cf, cf)) (measured on MaxText 0.2.5)."""
+    """Per-subgroup capacity formula (the `capacity_rounding` setting): `ours`,
+    max(1, ceil(g k / E x cf)), or `maxtext`, int(max(ceil(g k / E) x cf, cf)) (read
+    from MaxText 0.2.5 and measured on its layer).
+
+    Examples:
+      >>> from selector import CapacityRounding
+      >>> CapacityRounding.maxtext.value
+      'maxtext'
+    """
 
     ours = "ours"
     maxtext = "maxtext"
@@ -119,9 +178,26 @@ class OutputFormat(str, enum.Enum):
 @dataclass(frozen=True)
 class Hardware(Frozen):
     """One accelerator chip and the constants the counted time model prices with
-    (`selector.timing`). conf/hardware/ cites each: measured on CPU (`bench.machine`),
+    (`selector.timing`). conf/hardware/ cites each: measured on CPU (`bench.calibration.machine`),
     the vendor's published figure on TPU and GPU. A per-op constant nobody publishes is
-    None there and not counted (`uncounted` names them)."""
+    None there and not counted (`uncounted` names them).
+
+    Attributes:
+      name, platform: the chip and its compiler's platform (cpu, gpu, tpu).
+      memory_gib: a device's memory, the bar every verdict is read against.
+      matmul_tflops, *_curve, hbm_bandwidth_gbps, gather_gbps, ici_bandwidth_gbps,
+        dcn_bandwidth_gbps, collective_latency_us, launch_us, loop_trip_us, call_us:
+        the time model's constants (the comment beside each field says what it prices).
+      step_margin, maxtext_step_margin: how far the whole-step estimate has been from
+        the compiler on its judge set, [under, over], per route.
+      jax_version: the jax release whose compiler the memory count follows.
+
+    Examples:
+      >>> import selector
+      >>> chip = selector.to_config(selector.compose(["hardware=v5p"])).hardware
+      >>> chip.platform, chip.memory_gib, chip.uncounted
+      ('tpu', 95.0, ('collective latency', 'op launches', 'loop trips', 'the call'))
+    """
 
     name: str = "cpu"
     platform: str = "cpu"  # cpu | gpu | tpu: picks the grouped-matmul backend
@@ -183,6 +259,17 @@ class AxisRules(Frozen):
     defaults follow MaxText's logical axis rules (`activation_batch_moe`,
     `activation_length_moe`, `exp`, `mlp_moe`, `embed_moe`), except that every context
     axis counts for the sequence (the reported bug).
+
+    Attributes:
+      batch, sequence: the axes that shard the activations' batch and sequence dims.
+      experts, hidden, embed: the axes the expert weights rest split over, by dim.
+
+    Examples:
+      >>> from selector import AxisRules
+      >>> AxisRules().sequence
+      ('context', 'context_usp_ulysses', 'context_autoregressive')
+      >>> AxisRules(experts=["expert", "context"]).experts  # lists are held as tuples
+      ('expert', 'context')
     """
 
     batch: list[str] = field(default_factory=lambda: ["data", "fsdp", "expert"])
@@ -206,7 +293,28 @@ class AxisRules(Frozen):
 @dataclass(frozen=True)
 class Config(Frozen):
     """Everything the selector and the layers read, as one frozen value. Defaults follow
-    MaxText's base.yml."""
+    MaxText's base.yml; shared keys keep MaxText's names.
+
+    Attributes:
+      model_name ... gdn_num_value_heads: the model (MaxText's keys; conf/model/).
+      remat_policy, num_vocab_tiling, logits_dot_in_fp32, context_parallel_strategy:
+        how the step computes what it holds.
+      per_device_batch_size, max_target_length: the batch and the sequence.
+      ici_*_parallelism, dcn_*_parallelism, num_slices, num_devices: the mesh.
+      mode, dispatch, expert_exchange, expert_group, gmm_backend, ...: this project's
+        own knobs (the comment beside each says what it does).
+      hardware, axis_rules: the chip and which mesh axes shard what.
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"]))
+      >>> cfg.num_experts, cfg.num_moe_layers
+      (8, 2)
+      >>> cfg.replace(ici_context_parallelism=4).ici_context_parallelism
+      4
+      >>> cfg.apply([("hardware.memory_gib", 32.0)]).hardware.memory_gib
+      32.0
+    """
 
     # Model (MaxText names). Presets live in conf/model/.
     model_name: str = "tiny"

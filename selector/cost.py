@@ -11,7 +11,7 @@ against `memory_analysis()`:
   compute copy of the weights (gathered, or cast to the compute dtype), the weight
   gradients before they leave the block, and the activations and exchange buffers;
   one constant per compiler, no coefficient per program (`python -m
-  bench.memory_holdout --judge` sets the count against compiled real layers).
+  bench.calibration.memory_holdout --judge` sets the count against compiled real layers).
 
 Beside the one block, `state_bytes` is what every MoE layer of the model holds at rest
 on a device: weights, gradients and optimizer state (`optimizer_bytes_per_param`).
@@ -397,7 +397,7 @@ def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bo
     expert rests on a device is not gathered along it: the compiler copies the whole
     layer stack of each such matrix, in its stored dtype, into a layout with emb leading
     (hoisted out of the layer loop) and casts the gathered layer instead. Read in this
-    project's H200 step dumps (`bench.dump_peak`): Mixtral-8x7B at cp 1 holds three
+    project's H200 step dumps (`bench.calibration.dump_peak`): Mixtral-8x7B at cp 1 holds three
     f32[64, 32, 8, 14336] `wrapped_transpose` stacks and no bfloat16 copy of them
     (bfloat16 ones with bfloat16 weights); Qwen3-30B-A3B three f32[32, 48, 128, 768].
     XLA:TPU gathers them in place (`test_tpu_step_gathers_the_expert_stacks_in_place`).

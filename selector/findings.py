@@ -13,6 +13,18 @@ from typing import Any
 
 
 class Severity(str, enum.Enum):
+    """How much a finding weighs: an `error` stops `resolve` (and the command exits 1),
+    a `warning` never blocks.
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "per_device_batch_size=1"])
+      >>> (found,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
+      >>> found.severity
+      <Severity.error: 'error'>
+    """
+
     error = "error"
     warning = "warning"
 
@@ -39,7 +51,23 @@ def render_value(value: Any) -> str:
 @dataclass(frozen=True)
 class Fix:
     """Overrides that, applied together, make a finding go away (checked before it is
-    offered: the selector re-analyses the fixed config)."""
+    offered: the selector re-analyses the fixed config).
+
+    Attributes:
+      overrides: (key, value) pairs, in the selector's keys.
+      note: what the fix changes besides the finding (e.g. the global batch).
+      held_bytes, fits: what a device then holds for the whole step, and whether that
+        fits the chip (None when not estimated).
+      joint: one fix per error merged, offered first on each error it clears.
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "per_device_batch_size=1"])
+      >>> (found,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
+      >>> found.fixes[0].render()
+      'per_device_batch_size=0.25'
+    """
 
     overrides: tuple[tuple[str, Any], ...]
     note: str = ""  # what the fix changes besides the finding (e.g. the global batch)
@@ -77,6 +105,24 @@ def fix(note: str = "", **overrides: Any) -> Fix:
 
 @dataclass(frozen=True)
 class Finding:
+    """What the validator says about one setting: a stable code, the severity, the
+    setting to change, a one-paragraph message with the numbers, and the fixes that
+    were checked to clear it.
+
+    Attributes:
+      code: stable (e.g. "LOCAL_BATCH_INFLATION"); tests and launch scripts key on it.
+      severity, setting, message, fixes: as named; the comment beside each field says
+        more, and beside the others (tail, base, no_fix, tried).
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "per_device_batch_size=1"])
+      >>> (found,) = [f for f in selector.validate(cfg) if f.code == "LOCAL_BATCH_INFLATION"]
+      >>> found.setting, found.fixes[0].render()
+      ('per_device_batch_size', 'per_device_batch_size=0.25')
+    """
+
     code: str  # stable, e.g. "LOCAL_BATCH_INFLATION"; tests and launch scripts key on it
     severity: Severity
     setting: str  # the knob to change
@@ -141,7 +187,19 @@ def errors_in(findings) -> list[Finding]:
 
 
 class ConfigError(ValueError):
-    """Raised by `resolve` when a config has error findings; carries all of them."""
+    """Raised by `resolve` when a config has error findings; carries all of them
+    (`findings`), and its message lists each.
+
+    Examples:
+      >>> import selector
+      >>> cfg = selector.compose(["model=tiny", "mesh=cpu_8", "ici_context_parallelism=4",
+      ...                         "per_device_batch_size=1"])
+      >>> try:
+      ...     selector.resolve(cfg)
+      ... except selector.ConfigError as error:
+      ...     print([f.code for f in error.findings])
+      ['LOCAL_BATCH_INFLATION']
+    """
 
     def __init__(self, findings):
         self.findings = tuple(findings)

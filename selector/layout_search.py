@@ -45,7 +45,21 @@ _MEMORY_CODES = {"MEMORY_EXCEEDED"}
 class Layout:
     """One launch layout that passes the check: its settings (MaxText's keys and the
     selector's dispatch keys), the plan the check made for it and its whole step's
-    counted time."""
+    counted time.
+
+    Attributes:
+      settings: the keys that select it, in the route's spelling.
+      plan: the plan the launch check made for it.
+      step: the whole step's counted time, by part (`step_time.StepTime`).
+
+    Examples:
+      >>> import selector
+      >>> found = selector.search(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "search_global_batch=8"]))
+      >>> first = found.layouts[0]
+      >>> first.overrides[:3], first.verdict.value
+      (['ici_data_parallelism=1', 'ici_fsdp_parallelism=8', 'ici_context_parallelism=1'], 'yes')
+    """
 
     settings: dict
     plan: DispatchPlan
@@ -80,7 +94,23 @@ class Layout:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Every layout that passes the check, best first (`_rank`), and what was refused."""
+    """Every layout that passes the check, best first (sure fits, then those within
+    the margin, each by counted step time), and what was refused.
+
+    Attributes:
+      layouts: every layout that passes, best first.
+      global_batch, num_devices: what was held fixed (sequences, chips).
+      meshes, checked, refused: factorizations tried, analyses run, and the layouts
+        refused by their first error's code, most first.
+      seconds, uncounted: the search's time; the per-op constants it could not price.
+
+    Examples:
+      >>> import selector
+      >>> found = selector.search(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "search_global_batch=8"]))
+      >>> found.num_devices, found.meshes, len(found.layouts) > 0, found.refused[0][0]
+      (8, 35, True, 'LOCAL_BATCH_INFLATION')
+    """
 
     layouts: tuple[Layout, ...]
     global_batch: float  # sequences, held fixed

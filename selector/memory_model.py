@@ -17,7 +17,7 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   holds two of the three at its peak (W + 2/3 W + rows: 2,145 MiB assigned at cp=2,
   counted 2,146), but libtpu's temp adds, after buffer assignment, bytes no buffer of
   the dump names: 0 to 0.6 W in the gathered backward of the real layers at cp 1 to 4
-  (bench.memory_holdout), none measurable in the exchanged one. All three gradients
+  (bench.calibration.memory_holdout), none measurable in the exchanged one. All three gradients
   bound what is assigned and cover most of that; exchanged, every
   local expert's float32 accumulator (the exchange's backward adds each slot into
   them) and one matrix's cast to the compute dtype on its way out. Not gathered, the

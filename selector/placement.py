@@ -23,6 +23,26 @@ from .mesh import MeshView
 
 @dataclass(frozen=True)
 class WeightPlacement:
+    """Where the expert weights rest and how they meet the tokens: the axes that split
+    each dim of the weights at rest, the expert group that exchanges routed rows (empty
+    when the weights are gathered), and the experts a device computes with.
+
+    Attributes:
+      exchange: gather or all_to_all (never auto in a plan).
+      experts_axes, embed_axes, hidden_axes: the axes that split each dim at rest.
+      group_axes, folded_axes: the expert group that exchanges rows (() when
+        gathered) and the sequence axes folded into it.
+      experts_per_device, shared_embed_axes, group: as the comment beside each says.
+
+    Examples:
+      >>> import selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> place = plan.placement
+      >>> place.exchange.value, place.embed_axes, place.experts_per_device
+      ('gather', ('fsdp', 'context'), 8)
+    """
+
     exchange: Exchange  # gather or all_to_all (never auto in a plan)
     experts_axes: tuple[str, ...]  # shard the expert dim at rest
     embed_axes: tuple[str, ...]  # shard the embedding dim at rest

@@ -30,7 +30,22 @@ class Candidate:
     """One (dispatch, exchange) the plan weighed: its estimate at the placement that
     won among the expert groups weighed (`groups`: each group's placement and
     estimate, the winner included; empty when only one placement was possible), the
-    verdict and whether it was chosen."""
+    verdict and whether it was chosen.
+
+    Attributes:
+      estimate: the counted memory, traffic and time of its program (`cost.Estimate`).
+      placement: where its expert weights rest and how they meet the tokens.
+      verdict: why it was or was not chosen, in words.
+      chosen: whether the plan runs it.
+      groups: each expert group weighed, with its placement and estimate.
+
+    Examples:
+      >>> import selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> [(c.name, c.chosen) for c in plan.candidates][:2]
+      [('subgroup_capacity', False), ('megablox/gather', True)]
+    """
 
     estimate: Estimate
     placement: WeightPlacement
@@ -53,7 +68,27 @@ class Candidate:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """The selector's answer: what the MoE block runs, on which axes, and why."""
+    """The selector's answer: what the MoE block runs, on which axes, and why
+    (`selector.resolve` returns it; `layers.MoEBlock` builds from it).
+
+    Attributes:
+      strategy, reason, requested: the dispatch chosen, why, and what was asked for.
+      mesh, per_device: the mesh's axes and what a device holds (tokens, batch, ...).
+      candidates: every (dispatch, exchange) weighed, each with its estimate.
+      findings: every finding, each with its verified fixes.
+      gmm_backend, exchange_backend, placement: how the block runs it.
+      target, training: the chips it is for; whether the step trains.
+      config, live_shape: what it was resolved from (the layers re-plan from them).
+
+    Examples:
+      >>> import selector
+      >>> plan = selector.resolve(selector.compose(["model=tiny", "mesh=cpu_8",
+      ...     "ici_context_parallelism=4", "per_device_batch_size=0.25"]))
+      >>> plan.strategy.value, plan.cp, plan.per_device.tokens_per_device
+      ('megablox', 4, 512.0)
+      >>> plan.at_shape(4, 64)[0].per_device.tokens_per_device  # another input shape
+      32.0
+    """
 
     strategy: Dispatch
     reason: str

@@ -29,7 +29,7 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 The matmul curve is measured as the grouped matmul runs a tile (a dot in a loop, its
 rows sliced and its product written in place), so a dot's own launch is in its rate.
 
-On CPU every constant is measured (`python -m bench.machine`); on TPU and GPU the
+On CPU every constant is measured (`python -m bench.calibration.machine`); on TPU and GPU the
 matmul peak and the bandwidths are the vendors' published figures, and the constants
 nobody publishes (collective latency, launch and loop costs) are not counted (None in
 those presets): `Hardware.uncounted` names them and the report

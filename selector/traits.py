@@ -46,9 +46,9 @@ class Traits:
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
-        bench.memory_holdout). XLA:CPU, where nobody deploys but the suite and the small
+        bench.calibration.memory_holdout). XLA:CPU, where nobody deploys but the suite and the small
         examples run: 1.45, the median of its compiled temp over the count on the 438
-        small points bench.calibrate compiled (it schedules for speed, not memory, and
+        small points bench.calibration.calibrate compiled (it schedules for speed, not memory, and
         holds more of the forward into the backward than the other two).
     """
 

@@ -104,7 +104,10 @@ def violations(root: Path) -> list[str]:
                         out.append(f"{module} imports {imported} (layers take only plan types)")
             if package == "layers":
                 for imported in sorted(imports_of(path, root, types=True)):
-                    if imported.split(".")[0] == "selector" and imported not in PLAN_TYPES | TYPE_ONLY:
+                    if (
+                        imported.split(".")[0] == "selector"
+                        and imported not in PLAN_TYPES | TYPE_ONLY
+                    ):
                         out.append(f"{module} imports {imported} (layers take only plan types)")
     return out
 
@@ -173,7 +176,7 @@ def test_importing_the_layers_loads_none_of_the_analysis():
     import subprocess
     import sys
 
-    from tests.subproc import probe_env
+    from subproc import probe_env
 
     code = (
         "import importlib, json, pkgutil, sys, layers\n"

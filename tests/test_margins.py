@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import selector
-from bench import margins
+from bench.calibration import margins
 from selector.cost import Verdict, verdict
 
 REPO = Path(__file__).resolve().parent.parent

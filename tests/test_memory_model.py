@@ -1,6 +1,6 @@
 """The counted memory model: what a block's program holds, counted by hand from the
 layers, and held against the real layers XLA compiled for v5p and H200 (the stored
-judge set of bench.memory_holdout; nothing here is fitted)."""
+judge set of bench.calibration.memory_holdout; nothing here is fitted)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_one_constant_per_compiler():
 
 
 def stored_programs():
-    from bench import memory_holdout
+    from bench.calibration import memory_holdout
 
     payload = json.loads(HOLDOUT.read_text())
     for stack, compiled in sorted(payload["stacks"].items()):
@@ -102,8 +102,8 @@ def stored_programs():
 def test_count_holds_to_the_real_layers_compiled_for_v5p_and_h200(stack):
     """Issue 29's bar on every stack stored: the count within 20% of XLA's temp for at
     least 90% of the real presets' layers (cp 1, 2, 4; gathered and exchanged; training
-    and prefill; 64 v5p and 8 H200, compiled ahead of time by bench.memory_holdout)."""
-    from bench import memory_holdout
+    and prefill; 64 v5p and 8 H200, compiled ahead of time by bench.calibration.memory_holdout)."""
+    from bench.calibration import memory_holdout
 
     rows = [(p, t) for s, p, t in stored_programs() if s == stack]
     assert len(rows) >= 60, len(rows)  # both chips, every preset

@@ -7,6 +7,7 @@ plugin is absent; CI installs both."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hlo import collectives, dot_flops
@@ -216,16 +217,18 @@ def test_target_descriptions():
 def test_the_exchange_round_count_compiles_for_64_gpus_over_two_axes():
     """The exchange agrees on its round count with a pmax of ROUND_COUNT_LANES int32
     over the token axes. On jax 0.12.0.1 XLA:GPU aborts the process compiling a smaller
-    one over two mesh axes of 64 GPUs (bench/gpu_small_allreduce.py); compiled here in a
+    one over two mesh axes of 64 GPUs (tests/probes/gpu_small_allreduce.py); compiled here in a
     process of its own, for 64 abstract H200s as fsdp=16 x context=4."""
     import subprocess
-    import sys
+
+    from subproc import ROOT, probe_command
 
     from layers.expert_parallel import ROUND_COUNT_LANES
 
     pytest.importorskip("jax_plugins.xla_cuda12", reason="the gpu extra (JAX's CUDA plugin)")
-    cmd = [sys.executable, "-m", "bench.gpu_small_allreduce", "--case", "64", "4"]
+    cmd = probe_command("gpu_small_allreduce", "--case", "64", "4")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     got = subprocess.run(
-        [*cmd, "fsdp,context", str(ROUND_COUNT_LANES)], capture_output=True, text=True
+        [*cmd, "fsdp,context", str(ROUND_COUNT_LANES)], capture_output=True, text=True, env=env
     )
     assert got.returncode == 0 and "compiled" in got.stdout, got.stderr[-2000:]

@@ -147,7 +147,7 @@ def test_count_work_uses_the_traffic_it_is_given():
 
 
 def test_the_cpu_constants_are_the_machine_studys():
-    """conf/hardware/cpu.yaml holds what `python -m bench.machine --write` measured
+    """conf/hardware/cpu.yaml holds what `python -m bench.calibration.machine --write` measured
     (bench/results/machine_cpu.json), to the 4 digits it writes."""
     study = json.loads((ROOT / "bench/results/machine_cpu.json").read_text())
     hw = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware

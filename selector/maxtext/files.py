@@ -17,7 +17,16 @@ from ..findings import shown
 
 
 class MaxTextError(ValueError):
-    """A MaxText file or override that cannot be read: the message names it and the fix."""
+    """A MaxText file or override that cannot be read: the message names it and the fix.
+
+    Examples:
+      >>> import selector
+      >>> try:
+      ...     selector.from_maxtext("missing.yml")
+      ... except selector.MaxTextError as error:
+      ...     print(str(error).split(";")[1].strip())
+      check the path given to maxtext_config= (or its base_config:).
+    """
 
 
 # libyaml's parser where PyYAML was built with it (its wheels are): in pure Python,

@@ -177,6 +177,25 @@ _FIELD_TYPES = _field_types()
 
 @dataclass
 class MaxTextImport:
+    r"""A MaxText config as this project reads it (`from_maxtext` returns it).
+
+    Attributes:
+      config: the typed Config for `resolve`, `validate` and `search`.
+      findings: what MaxText does differently, each read in its source or measured.
+      ignored, relevant_ignored: keys nothing here reads (and those that matter).
+      files, notes: the files read, in order, and what the reading noticed.
+      dispatch_source, exchange_is_maxtexts, route_keys, mesh_axes: what the MaxText
+        route needs to spell fixes and new meshes in MaxText's keys.
+
+    Examples:
+      >>> import pathlib, tempfile, selector
+      >>> base = pathlib.Path(tempfile.mkdtemp()) / "base.yml"
+      >>> _ = base.write_text("num_experts: 8\nnum_experts_per_tok: 2\n")
+      >>> imported = selector.from_maxtext(base, ["num_devices=8"])
+      >>> imported.config.num_experts, [p.rsplit("/", 1)[-1] for p in imported.files]
+      (8, ['base.yml'])
+    """
+
     config: Config
     ignored: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)

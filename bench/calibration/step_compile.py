@@ -3,7 +3,7 @@ the chosen MoE block, the layers scanned and rematerialised, AdamW) compiled ahe
 time for 64 chips at the real shape, beside the estimate's whole-step bytes
 (`Estimate.device_bytes` and its breakdown).
 
-    python -m bench.step_compile --target tpu --points qwen3_30b_a3b:1,mixtral_8x7b:4
+    python -m bench.calibration.step_compile --target tpu --points qwen3_30b_a3b:1,mixtral_8x7b:4
 
 `--into NAME` writes the rows to bench/results/NAME.json and .png instead of the target's
 own study (`step_compile`, `step_compile_gpu`), e.g. `--into step_compile_jax012` for the
@@ -11,7 +11,7 @@ same points compiled on the jax 0.12 stack.
 
 A point is MODEL:CP or MODEL:CP:LAYERS (`base_num_decoder_layers=LAYERS`, for a model
 whose whole depth is more than the chips hold, e.g. `deepseek_v3:1:8`: its 3 dense
-layers and 5 MoE layers, as bench.maxtext_step compiles MaxText's step for it). 64
+layers and 5 MoE layers, as bench.calibration.maxtext_step compiles MaxText's step for it). 64
 chips (v5p:4x4x4 for tpu, 64 H200s as 8 nodes of 8 for gpu), ici_fsdp_parallelism =
 64 / CP, ici_context_parallelism = CP, max_target_length 8192 and per_device_batch_size
 1 / CP, so each device holds one 8,192-token sequence's shard. Each
@@ -107,7 +107,15 @@ def worker(point: str, target: str) -> dict:
 
 
 def run_point(point: str, target: str, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.step_compile", "--target", target, "--worker", point]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.calibration.step_compile",
+        "--target",
+        target,
+        "--worker",
+        point,
+    ]
     return worker_row(point, cmd, timeout)
 
 

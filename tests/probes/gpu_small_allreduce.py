@@ -5,7 +5,7 @@ when packing elements for LLVM struct") for a scalar pmax or psum over two mesh 
 64 H200s (16 x 4 or 8 x 8), where 16, 32 and 128 devices over two axes, and one axis of
 64, compile. jax 0.10.2 compiles every case.
 
-    python -m bench.gpu_small_allreduce            # every case, one process each
+    python tests/probes/gpu_small_allreduce.py     # every case, one process each
 
 This project's exchanged block agreed on its round count with a scalar pmax, so on that
 stack its step for 64 H200s at cp 2 and 4 did not compile. It now takes the max over
@@ -62,7 +62,6 @@ def main() -> None:
         compile_case(chips, (chips // context, context), tuple(sys.argv[4].split(",")), lanes)
         print("compiled")
         return
-    from bench.common import failure_line
     from layers.expert_parallel import ROUND_COUNT_LANES
 
     for chips, (_, context), axes in CASES:
@@ -72,11 +71,12 @@ def main() -> None:
             if a in axes
         )
         for lanes in (1, ROUND_COUNT_LANES):
-            cmd = [sys.executable, "-m", "bench.gpu_small_allreduce", "--case", str(chips)]
+            cmd = [sys.executable, __file__, "--case", str(chips)]
             cmd += [str(context), ",".join(axes), str(lanes)]
             got = subprocess.run(cmd, capture_output=True, text=True)
             ok = got.returncode == 0 and "compiled" in got.stdout
-            said = "compiles" if ok else f"fails: {failure_line(got.stderr)[:160]}"
+            last = (got.stderr.strip().splitlines() or [""])[-1]
+            said = "compiles" if ok else f"fails: {last[:160]}"
             what = "a scalar" if lanes == 1 else f"{lanes} int32 (the exchange's round count)"
             print(f"{chips} H200s, pmax of {what} over {over}: {said}", flush=True)
 

@@ -8,12 +8,12 @@ XLA's per-device temp bytes are set beside the selector's count of what the prog
 holds (`selector.memory_model`; nothing is fitted). Training compiles fwd+bwd, prefill
 and decode the forward. The points are the small shapes the old fitted model was built
 on plus the held-out ones fixed beside them; the real layers that judge the model are
-in bench.memory_holdout. Arguments and outputs are checked as they are. Beside the
+in bench.calibration.memory_holdout. Arguments and outputs are checked as they are. Beside the
 memory, XLA's cost analysis (FLOPs, bytes accessed) is set against the selector's FLOP
 and HBM terms, for comparison.
 
-    python -m bench.calibrate --target tpu            # compile; the count's errors
-    python -m bench.calibrate --target tpu --rejudge  # the count again, nothing compiled
+    python -m bench.calibration.calibrate --target tpu            # compile; the count's errors
+    python -m bench.calibration.calibrate --target tpu --rejudge  # the count again, nothing compiled
 
 Writes bench/results/calibrate_<target>.json and .png (counted against compiled temp,
 one panel per mode), or the study --into names (e.g. calibrate_tpu_jax012 for the same

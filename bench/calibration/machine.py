@@ -34,8 +34,8 @@ single op, so the cost of calling a program drops out:
 `--write` stores them in conf/hardware/cpu.yaml, which the selector reads (the library
 reads no study's output); tests/test_machine.py checks the file against this study's JSON.
 
-    python -m bench.machine            # measure, write bench/results/machine_cpu.json and .png
-    python -m bench.machine --write    # and conf/hardware/cpu.yaml
+    python -m bench.calibration.machine            # measure, write bench/results/machine_cpu.json and .png
+    python -m bench.calibration.machine --write    # and conf/hardware/cpu.yaml
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from bench.common import arguments, machine, median, pyplot, save, table  # noqa
 
 ROUNDS = 15
 STUDY = "machine_cpu"
-HARDWARE_FILE = Path(__file__).resolve().parents[1] / "conf" / "hardware" / "cpu.yaml"
+HARDWARE_FILE = Path(__file__).resolve().parents[2] / "conf" / "hardware" / "cpu.yaml"
 MATMUL_ROWS = (8, 32, 64, 128, 512, 2048)
 MATMUL_KN = ((64, 128), (192, 384), (640, 1280))
 TRIPS = 32

@@ -8,7 +8,7 @@ outputs, aliased and temp bytes (peak = arguments + outputs - aliased + temp). T
 is `python -m selector <base.yml> ... output=json` in this (jax-free) Python: the chosen
 candidate's `device_bytes` and `device_breakdown`.
 
-    python -m bench.maxtext_step --venv /work/venv312 \
+    python -m bench.calibration.maxtext_step --venv /work/venv312 \
         --points qwen3-30b-a3b:1,qwen3-30b-a3b:4,qwen3-next-80b-a3b:4:v5p-128
 
 A point is MODEL:CP[:TOPOLOGY][:KEY=VALUE...] (topology default v5p-16; v5p names count TensorCores, so
@@ -34,7 +34,7 @@ from checks import maxtext_step
 
 STUDY = "maxtext_step"
 CACHE = RESULTS / f"{STUDY}_cache.json"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
 DEFAULT_POINTS = (
     "qwen3-30b-a3b:1,qwen3-30b-a3b:2,qwen3-30b-a3b:4,mixtral-8x7b:1,mixtral-8x7b:2,mixtral-8x7b:4"

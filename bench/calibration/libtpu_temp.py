@@ -12,17 +12,17 @@ Mixtral step at two layer counts:
 - `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
   MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
   AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
-- `step:MODEL:CP[:L]`: `checks.step`'s whole step of a preset (bench.step_compile's point
+- `step:MODEL:CP[:L]`: `checks.step`'s whole step of a preset (bench.calibration.step_compile's point
   MODEL:CP on 64 v5p), at L layers when given.
 
 Each point compiles in its own process with `XLA_FLAGS=--xla_dump_to`; `unnamed` is the
 memory analysis' temp less the buffer assignment's temp allocations (outputs that do not
 alias an argument are allocated there but are not temp).
 
-    python -m bench.libtpu_temp
-    python -m bench.libtpu_temp --points gather,scan:2:adamw
-    python -m bench.libtpu_temp --replot
-    python -m bench.libtpu_temp --into libtpu_temp_jax012   # another stack's rows apart
+    python -m bench.calibration.libtpu_temp
+    python -m bench.calibration.libtpu_temp --points gather,scan:2:adamw
+    python -m bench.calibration.libtpu_temp --replot
+    python -m bench.calibration.libtpu_temp --into libtpu_temp_jax012   # another stack's rows apart
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.calibration.dump_peak import allocations
 from bench.common import RESULTS, arguments, paired_bars, pyplot, save, stack, table, worker_row
-from bench.dump_peak import allocations
 
 STUDY = "libtpu_temp"
 MIB = 2**20
@@ -130,10 +130,10 @@ def _toy(point: str):
 
 
 def _step(model: str, cp: int, layers: int | None) -> tuple[dict, float]:
-    """Compile this project's step of `model` at `cp` (bench.step_compile's point), at
+    """Compile this project's step of `model` at `cp` (bench.calibration.step_compile's point), at
     `layers` layers when given; its CompiledStep as a dict and its f32 weights a layer."""
     import selector
-    from bench.step_compile import overrides
+    from bench.calibration.step_compile import overrides
     from checks.step import compile_step
 
     extra = [f"base_num_decoder_layers={layers}"] if layers else []
@@ -191,7 +191,15 @@ def worker(point: str, dump: Path) -> dict:
 def run_point(point: str) -> dict:
     with tempfile.TemporaryDirectory() as dump:
         env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}", "JAX_PLATFORMS": "cpu"}
-        cmd = [sys.executable, "-m", "bench.libtpu_temp", "--worker", point, "--dump", dump]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.calibration.libtpu_temp",
+            "--worker",
+            point,
+            "--dump",
+            dump,
+        ]
         return worker_row(point, cmd, timeout=1800, env=env)
 
 

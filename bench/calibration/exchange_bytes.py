@@ -12,11 +12,11 @@ trip count (the exchange's rounds, slots and per-expert loops are while loops), 
 Rows are kept per JAX version and `--label` (e.g. before / after a change), so the
 JSON holds both stacks' numbers side by side:
 
-    python -m bench.exchange_bytes --label after            # jax of this python
-    PYTHONPATH=. .nox/tests-3-12/bin/python -m bench.exchange_bytes --label after
-    python -m bench.exchange_bytes --label fsdp_folded --exchange all_to_all \
+    python -m bench.calibration.exchange_bytes --label after            # jax of this python
+    PYTHONPATH=. .nox/tests-3-12/bin/python -m bench.calibration.exchange_bytes --label after
+    python -m bench.calibration.exchange_bytes --label fsdp_folded --exchange all_to_all \
         --expert_group expert_sequence_and_fsdp     # fsdp in the expert group as well
-    python -m bench.exchange_bytes --replot
+    python -m bench.calibration.exchange_bytes --replot
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The whole-step estimate's margin, per compiler and route: how far today's count has
 been from the compiled peak on each judge set.
 
-    python -m bench.margins            # score the count on every judge set (JSON + PNG)
-    python -m bench.margins --write    # and write each chip's step_margin into conf/
+    python -m bench.calibration.margins            # score the count on every judge set (JSON + PNG)
+    python -m bench.calibration.margins --write    # and write each chip's step_margin into conf/
 
 A judge set is a committed study of compiled whole steps (the compiled bytes are the
 truth; the estimate is recounted here with today's code):
@@ -11,7 +11,7 @@ truth; the estimate is recounted here with today's code):
   decoder for v5p, 64 chips, jax 0.10.2 and 0.12.0.1);
 - XLA:GPU, native route: `step_compile_gpu` and `step_compile_gpu_jax012` (H200);
 - XLA:TPU, MaxText route: `judge_step` (MaxText 0.2.5's train_compile for v5p, 20
-  points from 1k to 32k tokens a device, written by `bench.maxtext_step --into
+  points from 1k to 32k tokens a device, written by `bench.calibration.maxtext_step --into
   judge_step` before the count it scores changed).
 
 The native sets also served while the count was developed, so their margins are what
@@ -34,7 +34,7 @@ from bench.common import RESULTS, pyplot, save, table
 
 STUDY = "margins"
 GIB = 2**30
-CONF = Path(__file__).resolve().parent.parent / "conf" / "hardware"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 # (compiler, route) -> the judge sets that speak for it, and the chips whose presets
 # take its margin (the same compiler; chips differ in HBM, the error is relative).
 JUDGES = {
@@ -49,7 +49,7 @@ MAXTEXT_STUDIES = ("judge_step", "maxtext_step")
 DEV_SETS = ("maxtext_step",)
 MARGIN_COMMENT = {
     "native": "# How far the whole-step estimate has been from this compiler's peak, [under,\n"
-    "# over], on the native route's judge sets (written by python -m bench.margins --write).",
+    "# over], on the native route's judge sets (written by python -m bench.calibration.margins --write).",
     "maxtext": "# The same on MaxText's own compiled steps (the MaxText route's margin).",
 }
 
@@ -66,7 +66,7 @@ def native_pins(candidate: str) -> list[str]:
 
 def native_estimate(row: dict, target: str, jax_version: str) -> float:
     import selector
-    from bench.step_compile import overrides, parse
+    from bench.calibration.step_compile import overrides, parse
 
     model, cp, layers = parse(row["point"])
     lines = [
@@ -80,7 +80,7 @@ def native_estimate(row: dict, target: str, jax_version: str) -> float:
 
 def maxtext_estimate(row: dict, base: str) -> float:
     import selector
-    from bench.maxtext_step import overrides, parse_point
+    from bench.calibration.maxtext_step import overrides, parse_point
 
     point = parse_point(row["point"])
     args = argparse.Namespace(per_device_batch_size=1, max_target_length=4096)

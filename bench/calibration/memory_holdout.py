@@ -16,9 +16,9 @@ built on are not in the set. Run it once per stack (jax 0.10.2 with libtpu 0.0.4
 `bench/results/memory_holdout.json` under the stack's name, so the model can be judged
 again later without compiling (`--judge`).
 
-    python -m bench.memory_holdout            # compile this stack's programs (resumes)
-    python -m bench.memory_holdout --judge    # the estimate against every stack's programs
-    python -m bench.memory_holdout --replot
+    python -m bench.calibration.memory_holdout            # compile this stack's programs (resumes)
+    python -m bench.calibration.memory_holdout --judge    # the estimate against every stack's programs
+    python -m bench.calibration.memory_holdout --replot
 """
 
 from __future__ import annotations

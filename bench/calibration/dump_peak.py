@@ -7,9 +7,9 @@ file the buffers live at the heap's peak. What the memory analysis counts beyond
 buffer assignment's allocations is added by the backend after buffer assignment and is
 named by no buffer in the dump.
 
-    python -m bench.dump_peak DUMP_DIR LOG_FILE
+    python -m bench.calibration.dump_peak DUMP_DIR LOG_FILE
 
-LOG_FILE is MaxText's train_compile output, or what `python -m bench.step_compile
+LOG_FILE is MaxText's train_compile output, or what `python -m bench.calibration.step_compile
 --worker POINT` printed (this project's step, whose module is `jit_step`). Used for the
 readings in docs/results/whole-step.md (MaxText's Qwen3-Next at 4 and 8 layers, dumps of
 about 30 MB each; this project's Mixtral and Qwen3-30B-A3B steps on v5p and H200).
@@ -59,7 +59,7 @@ def _one(dump: Path, suffix: str) -> Path:
 
 
 def _stats(log: Path) -> dict:
-    """The step's memory analysis: bench.step_compile's worker line, or MaxText's log."""
+    """The step's memory analysis: bench.calibration.step_compile's worker line, or MaxText's log."""
     text = log.read_text(errors="replace")
     row = last_json_line(text)
     if row is not None and "compiled" in row:
