@@ -502,7 +502,8 @@ class MlpBlock(nnx.Module):
     """A dense SwiGLU block: what the bug reports fell back to, and the speed baseline.
 
     Args:
-      emb, hidden: the embedding and hidden widths.
+      emb: the embedding width.
+      hidden: the hidden width.
       dtype: the compute dtype (the weights are stored in float32).
       rngs: the initialisers' keys.
 

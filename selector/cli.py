@@ -30,7 +30,8 @@ from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
 from .jax_start import quiet_jax_start
 from .layout_search import exit_code, render_search, search
-from .maxtext import MaxTextError, from_maxtext, route_fixes
+from .maxtext import MaxTextError, from_maxtext, in_maxtext_keys, maxtext_route
+from .plan import analyse
 from .plugins import check_mode
 from .report import render_json, render_text
 
@@ -353,18 +354,26 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     # compile=true here compiles MaxText's own train step (checks.maxtext_step), not
     # this project's block: the estimate is made without compiling.
     wants_step = imported.config.compile
-    plan, findings, compiled = analysed(imported.config.replace(compile=False))
+    config = imported.config.replace(compile=False)
+    # One fix search on the route: the importer's findings and the analysis' are checked
+    # together (a fix must clear its finding without adding an error to either), each
+    # fix re-read with the files in MaxText's keys.
+    route = maxtext_route(path, rest)
+    compiled = None
+    if config.measure:  # the timed choice; the findings as the route checks them
+        plan, _, compiled = analysed(config)
+        findings = analyse(config, route=route, given=imported.findings)[1]
+    else:
+        plan, findings = analyse(config, route=route, given=imported.findings)
+    findings = in_maxtext_keys(findings)
+    from_import, findings = findings[: len(imported.findings)], findings[len(imported.findings) :]
     if imported.exchange_is_maxtexts:
         # Ours: the exchange and the row tile left to the selector.
         free = imported.config.replace(
             expert_exchange=Exchange.auto, expert_group=ExpertGroup.auto, gmm_row_tile=0
         )
-        note = imported.alternative(plan, analyse_any(free)[0])
+        note = imported.alternative(plan, analyse(free, check_fixes=False)[0])
         imported.notes += [note] if note else []
-    # The importer's findings and the analysis' are verified on the route together (a
-    # fix must clear its finding without adding an error to either).
-    routed = route_fixes(imported.findings + findings, path, rest, analyse_any)
-    from_import, findings = routed[: len(imported.findings)], routed[len(imported.findings) :]
     step = None
     if wants_step and plan is not None:
         step, found = _or_usage(

@@ -185,9 +185,8 @@ class Hardware(Frozen):
     Attributes:
       name, platform: the chip and its compiler's platform (cpu, gpu, tpu).
       memory_gib: a device's memory, the bar every verdict is read against.
-      matmul_tflops, *_curve, hbm_bandwidth_gbps, gather_gbps, ici_bandwidth_gbps,
-        dcn_bandwidth_gbps, collective_latency_us, launch_us, loop_trip_us, call_us:
-        the time model's constants (the comment beside each field says what it prices).
+      matmul_tflops: the first of the time model's constants (through call_us); the
+        comment beside each field says what it prices.
       step_margin, maxtext_step_margin: how far the whole-step estimate has been from
         the compiler on its judge set, [under, over], per route.
       jax_version: the jax release whose compiler the memory count follows.

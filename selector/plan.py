@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import rules, targets
@@ -204,47 +204,52 @@ class DispatchPlan:
         }
 
 
+# How a route runs a fix: the fix as the route spells it, the config the route then
+# analyses, and the route's own findings on it (None: the route cannot run it).
+Route = Callable[[Fix], "tuple[Fix, Config, list[Finding]] | None"]
+
+
+def native_route(cfg: Config) -> Route:
+    """The selector's own route: a fix is its overrides applied to `cfg`."""
+
+    def run(fix_: Fix):
+        try:
+            return fix_, cfg.apply(fix_.overrides), []
+        except (TypeError, ValueError):
+            return None
+
+    return run
+
+
 def analyse(
-    cfg: Config, live_shape: Mapping[str, int] | None = None
+    cfg: Config,
+    live_shape: Mapping[str, int] | None = None,
+    *,
+    route: Route | None = None,
+    given: Sequence[Finding] = (),
+    check_fixes: bool = True,
 ) -> tuple[DispatchPlan | None, list[Finding]]:
     """Every finding, and the plan when the config is complete enough to build one.
 
-    A finding offers only fixes that work: each proposed set of overrides is applied
-    and the config analysed again; it is kept when this finding is gone and no error
-    appears that was not there before."""
-    plan, findings = _analyse(cfg, live_shape)
-    verified = [_verified(cfg, live_shape, f, findings) for f in findings]
-    findings = [f for f, _ in verified]
-    if not any(clears_all for _, clears_all in verified):
-        findings = _with_joint_fixes(cfg, live_shape, findings)
+    A finding offers only fixes that work: each proposed set of overrides is run on the
+    route (by default applied to `cfg`; the MaxText route re-reads its files with the
+    fix in MaxText's keys) and the result analysed once; it is kept when this finding is
+    gone and no error appears that was not there before. `given`: findings the route
+    made reading the config, checked with the analysis' own (they come first).
+    check_fixes=False: the plan and the findings as proposed, no fix run."""
+    route = route or native_route(cfg)
+    plan, found = _analyse(cfg, live_shape)
+    findings = [*given, *found]
+    if not check_fixes:
+        return plan, findings
+    search = _FixSearch(route, live_shape, findings)
+    verified = [search.verified(f) for f in findings]
+    findings = [f for f, _, _ in verified]
+    if not any(clears_all for _, clears_all, _ in verified):
+        findings = search.with_joint_fix(findings, [kept for _, _, kept in verified])
     if plan is not None:
         plan = dataclasses.replace(plan, findings=tuple(findings))
     return plan, findings
-
-
-def _verified(
-    cfg: Config, live_shape, finding: Finding, before: list[Finding]
-) -> tuple[Finding, bool]:
-    """The finding with the fixes that work, ranked by what a device then holds (the
-    chosen candidate's state at rest plus its block's peak, after the fix): the lightest
-    first, each with that number; a fix that leaves a device over the chip is dropped
-    when another fix fits. Also whether one of its fixes leaves no error at all."""
-    old_errors = {f.code for f in errors_in(before)}
-    good = []
-    clears_all = False
-    for fix_ in finding.fixes:
-        try:
-            fixed = cfg.apply(fix_.overrides)
-        except (TypeError, ValueError):
-            continue
-        plan, after = _analyse(fixed, live_shape)
-        new_errors = {f.code for f in errors_in(after)} - old_errors
-        if finding.code not in {f.code for f in after} and not new_errors:
-            est = plan.chosen_estimate if plan is not None else None
-            good.append((fix_, est))
-            clears_all = clears_all or not errors_in(after)
-    checked = finding.with_fixes(ranked_fixes([_with_device_note(f, est) for f, est in good]))
-    return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all
 
 
 # How many of each error's fixes (lightest first) a joint fix draws from, and for at
@@ -253,38 +258,82 @@ JOINT_FIX_CHOICES = 3
 JOINT_FIX_MAX_ERRORS = 3
 
 
-def _with_joint_fixes(cfg: Config, live_shape, findings: list[Finding]) -> list[Finding]:
-    """Where two or more errors stand and no single fix clears them all, one fix per
-    error merged into one set of overrides that leaves no error at all (the lightest
-    such set, by what a device then holds), offered first on every error it clears."""
-    errors = errors_in(findings)
-    if not 2 <= len(errors) <= JOINT_FIX_MAX_ERRORS or any(not f.fixes for f in errors):
-        return findings
-    best = None
-    for combo in itertools.product(*(f.fixes[:JOINT_FIX_CHOICES] for f in errors)):
-        merged: dict = {}
-        if any(merged.setdefault(k, v) != v for fix_ in combo for k, v in fix_.overrides):
-            continue  # two fixes set one knob differently
-        try:
-            fixed = cfg.apply(tuple(merged.items()))
-        except (TypeError, ValueError):
-            continue
-        plan, after = _analyse(fixed, live_shape)
-        if plan is None or errors_in(after):
-            continue
-        held = plan.chosen_estimate.device_bytes
-        if best is None or held < best[0]:
-            best = (held, merged, plan.chosen_estimate)
-    if best is None:
-        return findings
-    _, merged, est = best
-    codes = " and ".join(f.code for f in errors)
-    joint = Fix(tuple(merged.items()), f"clears {codes} together", joint=True)
-    joint = _with_device_note(joint, est)
-    return [
-        f.with_fixes(ranked_fixes([joint, *f.fixes])) if f.severity is Severity.error else f
-        for f in findings
-    ]
+class _FixSearch:
+    """The fixes of one config's findings, each run on the route and analysed once
+    (a config two fixes share is analysed once)."""
+
+    def __init__(self, route: Route, live_shape, before: list[Finding]):
+        self.route, self.live_shape = route, live_shape
+        self.old_errors = {f.code for f in errors_in(before)}
+        self._runs: dict = {}
+
+    def run(self, fix_: Fix):
+        """(the fix as the route spells it, plan, findings after it), or None."""
+        routed = self.route(fix_)
+        if routed is None:
+            return None
+        spelled, config, route_findings = routed
+        key = (config, tuple(sorted((self.live_shape or {}).items())))
+        if key not in self._runs:
+            self._runs[key] = _analyse(config, self.live_shape)
+        plan, found = self._runs[key]
+        return spelled, plan, [*route_findings, *found]
+
+    def verified(self, finding: Finding) -> tuple[Finding, bool, list]:
+        """The finding with the fixes that work, ranked by what a device then holds (the
+        whole step after the fix): the lightest first, each with that number; a fix that
+        leaves a device over the chip is dropped when another fix fits. Also whether one
+        of its fixes leaves no error at all, and the fixes kept as proposed (what a
+        joint fix merges), lightest first."""
+        good, kept = [], []
+        clears_all = False
+        for fix_ in finding.fixes:
+            ran = self.run(fix_)
+            if ran is None:
+                continue
+            spelled, plan, after = ran
+            new_errors = {f.code for f in errors_in(after)} - self.old_errors
+            if finding.code not in {f.code for f in after} and not new_errors:
+                est = plan.chosen_estimate if plan is not None else None
+                good.append(_with_device_note(spelled, est))
+                kept.append((fix_, est.device_bytes if est else float("inf"), est and est.fits))
+                clears_all = clears_all or not errors_in(after)
+        if any(fits for _, _, fits in kept):  # as ranked_fixes: the fits, lightest first
+            kept = [entry for entry in kept if entry[2] is not False]
+        kept.sort(key=lambda entry: entry[1])
+        checked = finding.with_fixes(ranked_fixes(good))
+        return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all, kept
+
+    def with_joint_fix(self, findings: list[Finding], kept: list) -> list[Finding]:
+        """Where two or more errors stand and no single fix clears them all, one fix per
+        error merged into one set of overrides that leaves no error at all (the lightest
+        such set, by what a device then holds), offered first on every error it clears."""
+        errors = [
+            (f, k) for f, k in zip(findings, kept, strict=True) if f.severity is Severity.error
+        ]
+        if not 2 <= len(errors) <= JOINT_FIX_MAX_ERRORS or any(not k for _, k in errors):
+            return findings
+        best = None
+        choices = [[entry[0] for entry in k[:JOINT_FIX_CHOICES]] for _, k in errors]
+        for combo in itertools.product(*choices):
+            merged: dict = {}
+            if any(merged.setdefault(k, v) != v for fix_ in combo for k, v in fix_.overrides):
+                continue  # two fixes set one knob differently
+            codes = " and ".join(f.code for f, _ in errors)
+            ran = self.run(Fix(tuple(merged.items()), f"clears {codes} together", joint=True))
+            if ran is None or ran[1] is None or errors_in(ran[2]):
+                continue
+            spelled, plan, _ = ran
+            held = plan.chosen_estimate.device_bytes
+            if best is None or held < best[0]:
+                best = (held, _with_device_note(spelled, plan.chosen_estimate))
+        if best is None:
+            return findings
+        joint = best[1]
+        return [
+            f.with_fixes(ranked_fixes([joint, *f.fixes])) if f.severity is Severity.error else f
+            for f in findings
+        ]
 
 
 def _with_device_note(fix_, est: Estimate | None):

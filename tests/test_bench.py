@@ -65,3 +65,59 @@ def test_a_results_page_quotes_its_stored_json(study, page, columns):
 
     rows = common.load(study)["rows"]
     assert common.table(rows, getattr(common, columns)) in (ROOT / page).read_text()
+
+
+def _stored(study: str) -> dict:
+    from bench.common import load
+
+    return load(study)
+
+
+def _readme_prose() -> str:
+    return " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_the_readme_limits_quote_the_stored_results():
+    """Each number the README's limits quote, recomputed from its result file: the CPU
+    picks, the picks on the H200 then and rescored, the memory model held out per stack
+    and chip, and the whole-step judge sets with the margin."""
+    import collections
+
+    readme = _readme_prose()
+    picks = _stored("picks_cpu")["summary"]
+    fastest, configs = picks["picks_fastest"].split(" of ")
+    assert f"CPU picks: {fastest} of {configs} the measured fastest" in readme
+    assert f"worst regret {picks['worst_regret']:.2f}" in readme
+
+    then = _stored("on_device_h200")["summary"]
+    now = _stored("on_device_h200_rescored")["summary"]
+    assert f"worst {then['worst_regret']:.2f};" in readme
+    assert (
+        f"{now['picks_fastest']} of {now['pick_timed']}, worst {now['worst_regret']:.2f}" in readme
+    )
+
+    within = collections.Counter()
+    for r in _stored("memory_holdout")["rows"]:
+        within[(r["stack"].split(",")[0], r["chip"])] += abs(float(r["error"].rstrip("%"))) <= 20
+    old, new = "jax 0.10.2", "jax 0.12.0.1"
+    assert (
+        f"{within[old, 'v5p']} and {within[old, 'h200']} of 40 points (jax 0.10.2), "
+        f"{within[new, 'v5p']} and {within[new, 'h200']} of 40 (jax 0.12)"
+    ) in readme
+
+    judged = _stored("margins")["judged"]
+    maxtext = judged["tpu/maxtext"]
+    errors = [r["error"] for r in maxtext["rows"]]
+    near = sum(abs(e) <= 0.10 for e in errors)
+    assert (
+        f"{near} of {len(errors)} within 10% ({min(errors):+.0%} to {max(errors):+.0%})" in readme
+    )
+    under, over = maxtext["margin"]
+    assert f"v5p, MaxText route: -{under:.0%}/+{over:.0%}" in readme
+
+    def own(route: str, study: str) -> str:
+        rows = [r for r in judged[route]["rows"] if r["study"] == study]
+        return f"{sum(abs(r['error']) <= 0.15 for r in rows)} of {len(rows)}"
+
+    v5p, h200 = own("tpu/native", "step_compile"), own("gpu/native", "step_compile_gpu")
+    assert f"within 15% at {v5p} points on v5p and {h200} on H200" in readme

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import codes
+from helpers import codes, routed_findings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -358,14 +358,13 @@ def test_route_fixes_are_spelled_in_maxtext_keys_and_pass_the_route(base):
     the fix in our spelling exits 2: unknown MaxText key). What the route offers is
     spelled in MaxText's keys or this check's own."""
     from selector.cli import main
-    from selector.maxtext import route_fixes
 
     over = ["model_name=deepseek3-671b", "num_devices=256", "per_device_batch_size=16"]
     imported = selector.from_maxtext(base, over)
     _, found = selector.api.analyse_any(imported.config)
     (ours,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
     assert "param_dtype=bfloat16" in [x.render() for x in ours.tried]
-    spelled = route_fixes(found, base, over, selector.api.analyse_any)
+    spelled = routed_findings(base, over)
     (memory,) = [f for f in spelled if f.code == "MEMORY_EXCEEDED"]
     rendered = [x.render() for x in memory.fixes]
     assert rendered and not any("param_dtype" in r for r in rendered)
@@ -609,7 +608,6 @@ def test_route_fix_previews_are_the_rerun_and_a_route_only_fix_is_found(base):
     each fix's preview is what re-reading the files with it gives, not what our key
     would; a fix the native count dropped (over the chip there) is kept when the route's
     re-run fits. Every fix offered is re-run here and must say the same bytes."""
-    from selector.maxtext import route_fixes
 
     over = [
         "model_name=mixtral-8x7b",
@@ -620,7 +618,7 @@ def test_route_fix_previews_are_the_rerun_and_a_route_only_fix_is_found(base):
     ]
     imported = selector.from_maxtext(base, over)
     _, found = selector.api.analyse_any(imported.config)
-    spelled = route_fixes(imported.findings + found, base, over, selector.api.analyse_any)
+    spelled = routed_findings(base, over)
     # 104 GiB estimated: with the route's margin (v5p -27%/+29%) within the margin.
     memory_codes = ("MEMORY_EXCEEDED", "MEMORY_WITHIN_MARGIN")
     (memory,) = [f for f in spelled if f.code in memory_codes]
@@ -663,3 +661,34 @@ def test_a_fitting_joint_fix_drops_the_fixes_that_stay_over_the_chip(base):
         assert f.fixes[0].note.startswith("clears ") and f.fixes[0].fits, f.code
         assert all(x.fits is not False for x in f.fixes), (f.code, [x.text() for x in f.fixes])
     assert main(args) == 1
+
+
+def test_the_route_runs_one_fix_search_each_config_analysed_once(base, monkeypatch, capsys):
+    """The README's MaxText case: the config is analysed once, the exchange left to the
+    selector once (the alternative shown beside MaxText's pick), and each fix once, on
+    the route, by the same search the native route runs (`plan.analyse`). No config is
+    analysed twice and no fix's re-run checks fixes of its own (the search is not
+    nested)."""
+    from selector import plan as plan_module
+    from selector.cli import main
+
+    analysed = []
+    inner = plan_module._analyse
+
+    def counting(cfg, live_shape=None):
+        analysed.append((cfg, tuple(sorted((live_shape or {}).items()))))
+        return inner(cfg, live_shape)
+
+    monkeypatch.setattr(plan_module, "_analyse", counting)
+    over = ["model_name=qwen3-next-80b-a3b", "ici_context_parallelism=4"]
+    over += ["per_device_batch_size=1", "max_target_length=8192", "num_devices=8"]
+    assert main([f"maxtext_config={base}", *over, "output=json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    offered = {fix for f in report["findings"] for fix in f["fixes"]}
+    assert len(analysed) == len(set(analysed)), "a config analysed twice"
+    # The config, its exchange-free alternative, and at least each fix offered; at most
+    # each fix the three findings proposed (tried) and the joint merges of three each.
+    imported = selector.from_maxtext(base, over)
+    _, found = plan_module.analyse(imported.config, check_fixes=False, given=imported.findings)
+    proposed = sum(len(f.fixes) for f in found)
+    assert 2 + len(offered) <= len(analysed) <= 2 + proposed + 3**3

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import routed_findings
 from jax._src import mesh_utils  # the assignment MaxText's create_device_mesh runs
 
 import selector
-from selector.maxtext.importer import route_fixes
 from selector.maxtext.torus import MAXTEXT_MESH_AXES, unassigned_axis
 from selector.targets import torus
 
@@ -76,7 +76,7 @@ def test_maxtexts_own_failure_is_refused_before_launch(maxtext_dir):
 
     found, codes = findings()
     assert "MAXTEXT_MESH_NOT_ON_TORUS" in codes
-    spelled = route_fixes(found, base, over, selector.api.analyse_any)
+    spelled = routed_findings(base, over)
     (torus_finding,) = [f for f in spelled if f.code == "MAXTEXT_MESH_NOT_ON_TORUS"]
     assert torus_finding.setting == "ici_context_parallelism"
     assert "context=2 is not the product" in torus_finding.message

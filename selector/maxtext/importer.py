@@ -39,7 +39,7 @@ from ..config import (
     Mode,
     OutputFormat,
 )
-from ..findings import Finding, Fix, fix, ranked_fixes, render_value, warning
+from ..findings import Finding, Fix, fix, render_value, warning
 from ..mesh import build_mesh_view
 from .axis_rules import axis_rules
 from .facts import (
@@ -697,55 +697,36 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
     return dataclasses.replace(fix_, overrides=tuple(spelled))
 
 
-def route_fixes(
-    findings: list[Finding], path: str, overrides: Sequence[str], analyse
-) -> list[Finding]:
-    """The findings with their fixes spelled in MaxText's keys, each kept only if the
-    MaxText route itself accepts it: applied as one more `key=value` to the same file,
-    the finding goes away and no new error appears (`analyse(config)` gives the plan and
-    findings of an imported config). What a device then holds is the re-run's number
-    (MaxText's keys move more than ours: its optimizer state follows weight_dtype), and
-    the fixes are ranked by it."""
-    before = {f.code for f in findings if f.severity.value == "error"}
-    out = []
-    for finding in findings:
-        # The knob it names, in MaxText's spelling too.
-        finding = dataclasses.replace(
-            finding,
-            setting=maxtext_setting(finding.setting),
-            # The chip is `chip=` here: `hardware` is MaxText's platform key.
-            no_fix=finding.no_fix.replace("(hardware=)", "(chip=)"),
+def maxtext_route(path: str | Path, overrides: Sequence[str]):
+    """The MaxText route for `plan.analyse`'s fix search: a fix is spelled in MaxText's
+    keys and the files re-read with it as one more `key=value` (MaxText's keys move more
+    than ours: its optimizer state follows weight_dtype), so what a device then holds is
+    the re-run's number. A fix with no MaxText spelling, or one the files refuse, is not
+    run (None)."""
+
+    def run(fix_: Fix):
+        spelled = spelled_for_maxtext(fix_)
+        if spelled is None:
+            return None
+        extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
+        try:
+            imported = from_maxtext(path, [*overrides, *extra])
+        except (MaxTextError, ValueError, TypeError):
+            return None
+        return spelled, imported.config, imported.findings
+
+    return run
+
+
+def in_maxtext_keys(findings: Sequence[Finding]) -> list[Finding]:
+    """The findings naming their knob in MaxText's spelling (`chip=` for the chip:
+    `hardware` is MaxText's platform key)."""
+    return [
+        dataclasses.replace(
+            f,
+            setting=maxtext_setting(f.setting),
+            no_fix=f.no_fix.replace("(hardware=)", "(chip=)"),
+            message=f.message.replace("(hardware=)", "(chip=)"),
         )
-        if not (finding.fixes or finding.tried):
-            out.append(finding)
-            continue
-        good = []
-        # The joint fix (made from the kept fixes) first, then every fix the native
-        # check tried: one it dropped may clear the finding on this route.
-        joint = [f for f in finding.fixes if f.joint]
-        joint_text = {f.render() for f in joint}
-        tried = [f for f in finding.tried or finding.fixes if f.render() not in joint_text]
-        for candidate in [*joint, *tried]:
-            spelled = spelled_for_maxtext(candidate)
-            if spelled is None:
-                continue
-            extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
-            try:
-                imported = from_maxtext(path, [*overrides, *extra])
-                plan, found = analyse(imported.config)
-                after = imported.findings + found
-            except (MaxTextError, ValueError, TypeError):
-                continue
-            codes = {f.code for f in after}
-            new_errors = {f.code for f in after if f.severity.value == "error"} - before
-            if finding.code not in codes and not new_errors:
-                est = plan.chosen_estimate if plan is not None else None
-                good.append(
-                    dataclasses.replace(
-                        spelled,
-                        held_bytes=est.device_bytes if est else None,
-                        fits=est.fits if est else None,
-                    )
-                )
-        out.append(finding.with_fixes(ranked_fixes(good)))
-    return out
+        for f in findings
+    ]
