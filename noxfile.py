@@ -6,7 +6,7 @@
     nox -s mutate          # mutation testing (tools/mutate.py, mutmut), not in CI
 
 Arguments after `--` replace the pytest arguments, e.g.
-`nox -s tests-3.12 -- -x tests/test_maxtext_routedmoe.py tests/test_layers_parity.py`.
+`nox -s tests-3.12 -- -x tests/layers/test_maxtext_routedmoe.py tests/layers/test_layers_parity.py`.
 
 nox looks for `python3.11` / `python3.12` on PATH. Under pyenv both shims resolve only
 when both versions are active: `PYENV_VERSION=3.11.7:3.12.1 nox -s tests-3.12` (or list

@@ -27,7 +27,7 @@ the devices when there are several, one device otherwise):
 The budget (`--budget`, seconds) stops it starting another config; the JSON is
 rewritten after each step, so what ran is kept if the chip is taken back mid-way, and a
 layer that fails is recorded with its error and the next one runs. `--dry` runs the same code on this machine's CPU devices at sizes scaled down
-(the suite runs it: tests/test_on_device.py), so the script is known to work before a
+(the suite runs it: tests/bench/test_on_device.py), so the script is known to work before a
 chip is lent.
 
     python -m bench.on_device                  # on the chip: bench/results/on_device_<hw>.json

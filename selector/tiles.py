@@ -3,7 +3,7 @@
 A grouped matmul does not compute exactly the routed rows: it walks each expert's rows
 in tiles and a tile that a group only partly fills is computed whole. How much that
 costs depends on the kernel's walk, so each kernel gets its own count, written to mirror
-the kernel step by step (tests/test_tiles.py checks each against the kernel's own plan):
+the kernel step by step (tests/selector/test_tiles.py checks each against the kernel's own plan):
 
 - `pallas_rows`: JAX's Pallas megablox `gmm`/`tgmm`
   (`jax.experimental.pallas.ops.tpu.megablox.gmm.make_group_metadata`): a group visits

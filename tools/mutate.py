@@ -45,14 +45,14 @@ PARTS = {
             "selector/policy.py",
         ),
         "tests": (
-            "tests/test_cost.py",
-            "tests/test_memory_model.py",
-            "tests/test_selector_decisions.py",
-            "tests/test_selector_api.py",
-            "tests/test_selector_findings.py",
-            "tests/test_candidate_plan.py",
-            "tests/test_whole_model.py",
-            "tests/test_report_text.py",
+            "tests/selector/test_cost.py",
+            "tests/selector/test_memory_model.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_selector_api.py",
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_candidate_plan.py",
+            "tests/selector/test_whole_model.py",
+            "tests/selector/test_report_text.py",
         ),
     },
     "layers": {
@@ -60,10 +60,10 @@ PARTS = {
         # The parity tests run the Pallas kernels inside the exchanged block (interpret
         # mode); the target tests compile it for TPU, where only Mosaic kernels pass.
         "tests": (
-            "tests/test_grouped_matmul.py",
-            "tests/test_expert_parallel.py",
-            "tests/test_layers_parity.py",
-            "tests/test_targets.py",
+            "tests/layers/test_grouped_matmul.py",
+            "tests/layers/test_expert_parallel.py",
+            "tests/layers/test_layers_parity.py",
+            "tests/selector/test_targets.py",
         ),
     },
     # Where the expert weights rest and which axes form the expert group, against the
@@ -71,9 +71,9 @@ PARTS = {
     "placement": {
         "modules": ("selector/placement.py",),
         "tests": (
-            "tests/test_selector_decisions.py",
-            "tests/test_report_text.py",
-            "tests/test_selector_findings.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_report_text.py",
+            "tests/selector/test_selector_findings.py",
         ),
     },
     # The cost model (candidates, rows from the tile plans, FLOPs, traffic, time) against
@@ -81,30 +81,30 @@ PARTS = {
     "cost": {
         "modules": ("selector/cost.py",),
         "tests": (
-            "tests/test_cost.py",
-            "tests/test_candidate_plan.py",
-            "tests/test_memory_model.py",
-            "tests/test_selector_decisions.py",
-            "tests/test_selector_api.py",
-            "tests/test_selector_findings.py",
-            "tests/test_whole_model.py",
-            "tests/test_report_text.py",
+            "tests/selector/test_cost.py",
+            "tests/selector/test_candidate_plan.py",
+            "tests/selector/test_memory_model.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_selector_api.py",
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_whole_model.py",
+            "tests/selector/test_report_text.py",
         ),
     },
     # The counted memory model against its own tests and the cost model's (a survivor
     # costs about 20 s here, against 95 s in the selector part's whole selection).
     "memory": {
         "modules": ("selector/memory_model.py",),
-        "tests": ("tests/test_memory_model.py", "tests/test_cost.py"),
+        "tests": ("tests/selector/test_memory_model.py", "tests/selector/test_cost.py"),
     },
     # The auto policy (which candidate wins, and why) against the decisions, the report's
     # reasons and the findings.
     "policy": {
         "modules": ("selector/policy.py",),
         "tests": (
-            "tests/test_selector_decisions.py",
-            "tests/test_report_text.py",
-            "tests/test_selector_findings.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_report_text.py",
+            "tests/selector/test_selector_findings.py",
         ),
     },
     # The whole step's memory, the parameter counts and the memory fixes the rules offer
@@ -116,17 +116,17 @@ PARTS = {
             "selector/rules/strategy.py",
         ),
         "tests": (
-            "tests/test_whole_model.py",
-            "tests/test_margins.py",
-            "tests/test_cost.py",
-            "tests/test_selector_findings.py",
-            "tests/test_memory_model.py",
+            "tests/selector/test_whole_model.py",
+            "tests/selector/test_margins.py",
+            "tests/selector/test_cost.py",
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_memory_model.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.
     "torus": {
         "modules": ("selector/maxtext/torus.py",),
-        "tests": ("tests/test_maxtext_torus.py",),
+        "tests": ("tests/selector/maxtext/test_maxtext_torus.py",),
     },
 }
 

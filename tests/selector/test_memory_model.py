@@ -14,7 +14,7 @@ import selector
 from selector.memory_model import held_buffers, weight_copy_bytes
 from selector.traits import PLATFORMS
 
-HOLDOUT = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory_holdout.json"
+HOLDOUT = Path(__file__).resolve().parents[2] / "bench" / "results" / "memory_holdout.json"
 QWEN3_30B = (  # one layer of the preset on 64 v5p chips, cp=2, one 8,192-token sequence a shard
     "model=qwen3_30b_a3b",
     "hardware=v5p",

@@ -18,7 +18,7 @@ import selector
 from bench.calibration import margins
 from selector.cost import Verdict, verdict
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 

@@ -16,7 +16,7 @@ import pytest
 from checks import maxtext_step
 from selector import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A small MoE decoder on MaxText's base.yml, 4 v5p chips (v5p-8 counts TensorCores).
 SMALL_MOE = [
     "base_num_decoder_layers=2",

@@ -96,7 +96,7 @@ def consistent(plan, cfg: Config) -> None:
     )
     assert d.num_devices == plan.mesh.num_devices
     # Rows the grouped matmul gets per device: every local token once per choice
-    # (tests/test_layers_properties.py checks this against the block's real shards).
+    # (tests/layers/test_layers_properties.py checks this against the block's real shards).
     assert d.gmm_rows == d.tokens_per_device * cfg.num_experts_per_tok
     assert sum(c.chosen for c in plan.candidates) == 1
     assert plan.chosen_estimate.strategy is plan.strategy

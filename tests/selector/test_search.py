@@ -301,7 +301,7 @@ def test_maxtext_route_layouts_pass_the_routes_own_check(maxtext_dir):
         assert plan.chosen_estimate.device_bytes == pytest.approx(layout.device_bytes)
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_readme_and_the_study_quote_the_stored_search_results():

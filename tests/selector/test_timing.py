@@ -12,7 +12,7 @@ import selector
 from selector import Dispatch, Exchange, Hardware
 from selector.timing import TimeParts, Work, count_work, matmul_rate, price, priced_by
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _hw(**kw) -> Hardware:

@@ -16,7 +16,7 @@ import selector
 from selector.maxtext.torus import MAXTEXT_MESH_AXES, unassigned_axis
 from selector.targets import torus
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def jax_unassigned(logical, physical):

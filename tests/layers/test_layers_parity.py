@@ -144,7 +144,7 @@ def test_bfloat16_block_matches_float32_reference(jax_cpu8, strategy):
 def test_pallas_kernels_inside_the_block_match_the_reference(jax_cpu8, mesh_name, exchange):
     """The TPU backend (JAX's Pallas megablox kernels with our VJP wiring) inside the
     block's check_vma shard_map, gathered and exchanged, forward and backward: run here
-    in Pallas interpret mode, the same kernels XLA:TPU compiles (tests/test_targets.py)."""
+    in Pallas interpret mode, the same kernels XLA:TPU compiles (tests/selector/test_targets.py)."""
     model = build(
         "megablox",
         MESHES[mesh_name],

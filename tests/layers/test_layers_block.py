@@ -87,7 +87,7 @@ def test_block_rejects_bad_settings_with_config_error(jax_cpu8):
 
 
 def test_block_refuses_inputs_no_plan_can_serve(jax_cpu8):
-    """Any (batch, sequence) the mesh divides is served (tests/test_layers_any_shape.py);
+    """Any (batch, sequence) the mesh divides is served (tests/layers/test_layers_any_shape.py);
     a sequence the mesh does not divide, or another embedding width, is refused with the
     selector's finding and its fix."""
     cfg = selector.compose(
