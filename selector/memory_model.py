@@ -27,8 +27,9 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   training; exchanged, one round's send and receive buffers (2 x G x B x M) and one
   slot's hidden products (2 x B x H); dense, every token's hidden products and outputs
   for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
-  products and outputs (G x E x C x (2M + 2H)), its one-hot masks fused into their
-  einsums; the router's float32 probabilities (T x E) and the shared
+  products and outputs (G x E x C x (2M + 2H)), and its one-hot dispatch masks
+  (T x E x C) as many times as the compiler holds them (XLA:TPU fuses them into their
+  einsums; `Traits.capacity_masks_*`); the router's float32 probabilities (T x E) and the shared
   experts' hidden products (T x 2 Hs) beside each.
 
 XLA:CPU multiplies half-precision weights in float32 (bf16 weights are all-gathered and
@@ -54,11 +55,14 @@ class HeldBuffers:
 
     weights: float  # compute copies of the weights (gathered, or cast)
     gradients: float  # weight gradients before they leave the block
-    activations: float  # rows, hidden products, masks, router outputs
+    activations: float  # rows, hidden products, router outputs
+    # The capacity path's dispatch masks where the compiler holds them (Traits'
+    # capacity_masks_*), read in buffer assignments: not scaled by the compiler factor.
+    masks: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.activations
+        return self.weights + self.gradients + self.activations + self.masks
 
 
 def weight_copy_bytes(platform: str, compute_bytes: int) -> int:
@@ -126,7 +130,13 @@ def held_buffers(
         # holds neither. Training's peak is in the backward, after the forward.
         weights += routed * copy / 3
         activations += p.T * p.k * p.M * p.xb
-    return HeldBuffers(weights, gradients, activations)
+    masks = 0.0
+    if strategy is Dispatch.subgroup_capacity:
+        held = 0 if p.train else 1  # (training, forward)
+        per_element = 4 * compiler.capacity_masks_f32[held]
+        per_element += p.xb * compiler.capacity_masks_compute[held]
+        masks = p.T * p.E * p.C * per_element
+    return HeldBuffers(weights, gradients, activations, masks)
 
 
 def activation_bytes(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
@@ -142,15 +152,16 @@ def activation_bytes(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -
         return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
     if strategy is Dispatch.dense:
         return p.T * p.E_c * (2 * p.H + p.M) * p.xb + beside
-    # subgroup_capacity: the one-hot dispatch and combine masks are fused into their
-    # einsums (XLA:TPU holds 9.3 MiB for a program whose float32 masks would be 640 MiB).
+    # subgroup_capacity: its one-hot masks are counted apart (`held_buffers`), as many
+    # as the compiler holds (XLA:TPU fuses them: 9.3 MiB for float32 masks of 640 MiB).
     return p.G * p.E * p.C * (2 * p.M + 2 * p.H) * p.xb + beside
 
 
 def temp_bytes(held: HeldBuffers, cfg: Config) -> float:
     """The compiler's temp for a program holding `held`: the count times the
     compiler's one constant."""
-    return held.total * traits(cfg.hardware.platform).compiler_factor
+    counted = held.total - held.masks
+    return counted * traits(cfg.hardware.platform).compiler_factor + held.masks
 
 
 def program_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:

@@ -43,6 +43,16 @@ class Traits:
       ragged_dot_dense: XLA's `ragged_dot` lowers to masked dense work over every group.
       runs_pallas_megablox: the Pallas megablox kernels run (natively on TPU; in
         interpret mode on CPU; not at all on GPU).
+      capacity_masks_f32, capacity_masks_compute: how many copies of the capacity
+        path's (tokens, E, C) dispatch mask the program holds at its peak, in float32
+        and in the compute dtype, (training, forward), beside the counted activations
+        (read in the buffer assignments of the capacity block compiled on 2 to 4
+        devices, E 8 to 64, k 1 to 8, C 320 to 1,280, training and prefill, on jax
+        0.10.2 and 0.12.0.1). XLA:TPU fuses the one-hot masks into their einsums and
+        holds none; XLA:GPU holds two compute-dtype copies training and one forward
+        (one more on a single device, not counted); XLA:CPU three float32 and one
+        compute-dtype copy training and two float32 forward (k <= 2; at k = 4 it held
+        five and two).
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -61,6 +71,8 @@ class Traits:
     native_gmm: str = "tiled_gmm"
     ragged_dot_dense: bool = True
     runs_pallas_megablox: bool = True
+    capacity_masks_f32: tuple[float, float] = (0.0, 0.0)
+    capacity_masks_compute: tuple[float, float] = (0.0, 0.0)
     compiler_factor: float = 1.0
 
     @property
@@ -71,6 +83,7 @@ class Traits:
 
 # XLA:GPU as jax 0.10's CUDA plugin compiles; jax 0.12's changes two traits (below).
 _XLA_GPU = Traits(
+    capacity_masks_compute=(2.0, 1.0),
     gathered_forward_second_layout=True,
     hoists_f32_expert_stacks=True,
     runs_pallas_megablox=False,
@@ -80,7 +93,11 @@ _XLA_GPU = Traits(
 # newest first; the first whose release is not newer than the one asked for holds.
 TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
     ("cpu", (0, 0)): Traits(
-        weight_copy_in_f32=True, exchange_collective="all_to_all", compiler_factor=1.45
+        weight_copy_in_f32=True,
+        exchange_collective="all_to_all",
+        capacity_masks_f32=(3.0, 2.0),
+        capacity_masks_compute=(1.0, 0.0),
+        compiler_factor=1.45,
     ),
     ("tpu", (0, 0)): Traits(
         fuses_weight_cast=True, native_gmm="pallas_megablox", ragged_dot_dense=False
