@@ -30,7 +30,7 @@ from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
 from .jax_start import quiet_jax_start
 from .layout_search import exit_code, render_search, search
-from .maxtext import MaxTextError, from_maxtext, in_maxtext_keys, maxtext_route
+from .maxtext import MaxTextError, analyse_on_route, from_maxtext
 from .plan import analyse
 from .plugins import check_mode
 from .report import render_json, render_text
@@ -355,17 +355,12 @@ def maxtext_main(overrides: list[str], multirun: bool, show_cfg: str | None = No
     # this project's block: the estimate is made without compiling.
     wants_step = imported.config.compile
     config = imported.config.replace(compile=False)
-    # One fix search on the route: the importer's findings and the analysis' are checked
-    # together (a fix must clear its finding without adding an error to either), each
-    # fix re-read with the files in MaxText's keys.
-    route = maxtext_route(path, rest)
     compiled = None
     if config.measure:  # the timed choice; the findings as the route checks them
         plan, _, compiled = analysed(config)
-        findings = analyse(config, route=route, given=imported.findings)[1]
+        findings = analyse_on_route(imported, path, rest, config)[1]
     else:
-        plan, findings = analyse(config, route=route, given=imported.findings)
-    findings = in_maxtext_keys(findings)
+        plan, findings = analyse_on_route(imported, path, rest, config)
     from_import, findings = findings[: len(imported.findings)], findings[len(imported.findings) :]
     if imported.exchange_is_maxtexts:
         # Ours: the exchange and the row tile left to the selector.

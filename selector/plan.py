@@ -273,10 +273,9 @@ class _FixSearch:
         if routed is None:
             return None
         spelled, config, route_findings = routed
-        key = (config, tuple(sorted((self.live_shape or {}).items())))
-        if key not in self._runs:
-            self._runs[key] = _analyse(config, self.live_shape)
-        plan, found = self._runs[key]
+        if config not in self._runs:  # one live shape for the whole search
+            self._runs[config] = _analyse(config, self.live_shape)
+        plan, found = self._runs[config]
         return spelled, plan, [*route_findings, *found]
 
     def verified(self, finding: Finding) -> tuple[Finding, bool, list]:
@@ -285,7 +284,7 @@ class _FixSearch:
         leaves a device over the chip is dropped when another fix fits. Also whether one
         of its fixes leaves no error at all, and the fixes kept as proposed (what a
         joint fix merges), lightest first."""
-        good, kept = [], []
+        good = []  # (the fix as offered, with what a device then holds; as proposed)
         clears_all = False
         for fix_ in finding.fixes:
             ran = self.run(fix_)
@@ -295,13 +294,11 @@ class _FixSearch:
             new_errors = {f.code for f in errors_in(after)} - self.old_errors
             if finding.code not in {f.code for f in after} and not new_errors:
                 est = plan.chosen_estimate if plan is not None else None
-                good.append(_with_device_note(spelled, est))
-                kept.append((fix_, est.device_bytes if est else float("inf"), est and est.fits))
+                good.append((_with_device_note(spelled, est), fix_))
                 clears_all = clears_all or not errors_in(after)
-        if any(fits for _, _, fits in kept):  # as ranked_fixes: the fits, lightest first
-            kept = [entry for entry in kept if entry[2] is not False]
-        kept.sort(key=lambda entry: entry[1])
-        checked = finding.with_fixes(ranked_fixes(good))
+        ranked = ranked_fixes([offered for offered, _ in good])
+        kept = [proposed for r in ranked for offered, proposed in good if offered is r]
+        checked = finding.with_fixes(ranked)
         return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all, kept
 
     def with_joint_fix(self, findings: list[Finding], kept: list) -> list[Finding]:
@@ -314,7 +311,7 @@ class _FixSearch:
         if not 2 <= len(errors) <= JOINT_FIX_MAX_ERRORS or any(not k for _, k in errors):
             return findings
         best = None
-        choices = [[entry[0] for entry in k[:JOINT_FIX_CHOICES]] for _, k in errors]
+        choices = [k[:JOINT_FIX_CHOICES] for _, k in errors]
         for combo in itertools.product(*choices):
             merged: dict = {}
             if any(merged.setdefault(k, v) != v for fix_ in combo for k, v in fix_.overrides):

@@ -29,10 +29,6 @@ def routed_findings(base, over) -> list:
     """The MaxText route's findings for a file and overrides, as the command reports
     them: the importer's and the analysis', each fix run on the route (re-read with the
     files in MaxText's keys) by the one fix search, knobs in MaxText's spelling."""
-    from selector.maxtext import in_maxtext_keys, maxtext_route
-    from selector.plan import analyse
+    from selector.maxtext import analyse_on_route
 
-    imported = selector.from_maxtext(base, over)
-    route = maxtext_route(base, over)
-    _, found = analyse(imported.config, route=route, given=imported.findings)
-    return in_maxtext_keys(found)
+    return analyse_on_route(selector.from_maxtext(base, over), base, over)[1]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import re
 import sys
@@ -63,13 +62,6 @@ def label(point) -> str:
     return f"{mode} data={data} context={cp} seq={seq} E={experts} k={k} M={emb} H={hidden}"
 
 
-def mask_elements(point) -> int:
-    """Elements of one device's (tokens, E, C) mask, C as the layer computes it (ours)."""
-    _, _, cp, seq, experts, k, *_ = point
-    tokens = seq // cp
-    return tokens * experts * max(1, math.ceil(tokens * k / experts * 1.25))
-
-
 def slots(dump: str, elements: int) -> tuple[int, int]:
     """(float32, bfloat16) mask-sized slots (distinct offsets) in the largest heap of
     the buffer assignment in `dump`."""
@@ -88,29 +80,32 @@ def slots(dump: str, elements: int) -> tuple[int, int]:
 
 
 def worker(chip: str, index: int) -> None:
-    from bench.points import Point, measure
+    from bench.points import Point, measure, planned
+    from selector.problem import problem_shape
 
     point = POINTS[index]
     _, data, cp, seq, experts, k, mode, emb, hidden = point
-    m = measure(
-        Point(
-            "subgroup_capacity",
-            {"data": data, "context": cp},
-            seq=seq,
-            emb=emb,
-            hidden=hidden,
-            experts=experts,
-            top_k=k,
-            hardware=chip,
-            dtype="bfloat16",
-            mode=mode,
-        )
+    block = Point(
+        "subgroup_capacity",
+        {"data": data, "context": cp},
+        seq=seq,
+        emb=emb,
+        hidden=hidden,
+        experts=experts,
+        top_k=k,
+        hardware=chip,
+        dtype="bfloat16",
+        mode=mode,
     )
-    f32, bf16 = slots(os.environ["CAPACITY_DUMP"], mask_elements(point))
+    m = measure(block)
+    cfg, plan = planned(block)
+    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    elements = int(p.T * p.E * p.C)  # one device's (tokens, E, C) mask, C as planned
+    f32, bf16 = slots(os.environ["CAPACITY_DUMP"], elements)
     row = {
         "set": point[0],
         "point": label(point),
-        "mask_mib": mask_elements(point) * 2 / MIB,
+        "mask_mib": elements * 2 / MIB,
         "f32_slots": f32,
         "bf16_slots": bf16,
         "temp_mib": m["temp"] / MIB,

@@ -6,11 +6,11 @@ onto the selector's typed Config, with the facts of what MaxText does with them.
 - `axis_rules`: RoutedMoE's logical names resolved to mesh axes, as flax resolves them.
 - `routing`: the routing each decoder family runs, mapped onto the block's knobs.
 - `facts`: findings about what MaxText does with a config (measured or read in its source).
-- `importer`: `from_maxtext`, which puts the above together, and `maxtext_route`, which
-  runs the selector's fixes in MaxText's keys for the one fix search (`plan.analyse`).
+- `importer`: `from_maxtext`, which puts the above together, and `analyse_on_route`, the
+  one fix search (`plan.analyse`) with each fix run in MaxText's keys (`maxtext_route`).
 """
 
 from .files import MaxTextError
-from .importer import MaxTextImport, from_maxtext, in_maxtext_keys, maxtext_route
+from .importer import MaxTextImport, analyse_on_route, from_maxtext, maxtext_route
 
-__all__ = ["MaxTextError", "MaxTextImport", "from_maxtext", "in_maxtext_keys", "maxtext_route"]
+__all__ = ["MaxTextError", "MaxTextImport", "analyse_on_route", "from_maxtext", "maxtext_route"]

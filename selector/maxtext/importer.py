@@ -41,6 +41,7 @@ from ..config import (
 )
 from ..findings import Finding, Fix, fix, render_value, warning
 from ..mesh import build_mesh_view
+from ..plan import analyse
 from .axis_rules import axis_rules
 from .facts import (
     RETIRED_KEYS,
@@ -718,7 +719,20 @@ def maxtext_route(path: str | Path, overrides: Sequence[str]):
     return run
 
 
-def in_maxtext_keys(findings: Sequence[Finding]) -> list[Finding]:
+def analyse_on_route(
+    imported: MaxTextImport, path: str | Path, overrides: Sequence[str], config=None
+):
+    """(plan, findings) of an imported config (`config`: it with other settings) by the
+    one fix search on the MaxText route: the importer's findings first, checked with the
+    analysis' (a fix must clear its finding without adding an error to either), each fix
+    re-read with the files in MaxText's keys, every knob named in MaxText's spelling."""
+    plan, findings = analyse(
+        config or imported.config, route=maxtext_route(path, overrides), given=imported.findings
+    )
+    return plan, _in_maxtext_keys(findings)
+
+
+def _in_maxtext_keys(findings: Sequence[Finding]) -> list[Finding]:
     """The findings naming their knob in MaxText's spelling (`chip=` for the chip:
     `hardware` is MaxText's platform key)."""
     return [
