@@ -110,8 +110,10 @@ VARIANTS = (
 
 
 def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
-    """One sequence per batch shard (tokens per device = seq / cp), dropless, float32."""
+    """One sequence per batch shard (tokens per device = seq / cp), dropless, float32;
+    whole attention heads on every tensor shard (the block timed has no attention)."""
     shards = math.prod(mesh.get(a, 1) for a in ("data", "fsdp", "expert"))
+    tensor = mesh.get("tensor", 1)
     return [
         "model=tiny",
         "mesh=cpu_8",
@@ -129,6 +131,7 @@ def overrides(mesh: dict, experts, top_k, seq, emb, hidden, mode) -> list[str]:
         "capacity_factor=-1",
         "dtype=float32",
         "context_parallel_load_balance=false",
+        *([f"base_num_query_heads={tensor}", f"base_num_kv_heads={tensor}"] if tensor > 2 else []),
     ]
 
 
@@ -268,6 +271,22 @@ def score(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _kind(name: str) -> str:
+    return "dense" if name == "dense" else "gathered" if "gather" in name else "exchanged"
+
+
+def count_error(decisions: list[dict]) -> dict:
+    """{program kind: [median, least, most, programs]} of the estimate over the measured
+    median, each candidate of each config one program."""
+    ratios: dict[str, list[float]] = {}
+    for d in decisions:
+        ms = dict(part.rsplit(" ", 1) for part in d["times_ms"].split(", "))
+        es = dict(part.rsplit(" ", 1) for part in d["estimated_ms"].split(", "))
+        for name in es:
+            ratios.setdefault(_kind(name), []).append(float(es[name]) / float(ms[name]))
+    return {k: [median(v), min(v), max(v), len(v)] for k, v in sorted(ratios.items())}
+
+
 def summary(decisions: list[dict]) -> dict:
     n = len(decisions)
     right = sum(d["right"] for d in decisions)
@@ -355,6 +374,7 @@ def main() -> int:
         payload = load(study)
     payload["decisions"] = score(payload["rows"])
     payload["summary"] = summary(payload["decisions"])
+    payload["estimate_over_measured"] = count_error(payload["decisions"])
     print(table(payload["decisions"], COLUMNS))
     print()
     print(table([payload["summary"]], SUMMARY_COLUMNS))

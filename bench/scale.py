@@ -16,6 +16,7 @@ the selector prices that (see selector/cost.py).
     python -m bench.scale            # writes bench/results/scale.json and .png
     python -m bench.scale --quick    # 8192 tokens only
     python -m bench.scale --only all_to_all   # compile the exchanged points again
+    python -m bench.scale --check    # every study's predictions again, against its JSON
 
 With --target tpu or gpu the same layers are compiled ahead of time by the compilers
 users train with (nothing runs): XLA:TPU for v5p slices (fsdp=8 x context=cp, 8 to 64
@@ -26,7 +27,9 @@ two hosts at 16), sequences of 8192; writes scale_tpu / scale_gpu.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
 
 from bench.common import use_cpu_devices
@@ -60,6 +63,9 @@ SPLITS = {
     "data2_fsdp2_expert2": {"data": 2, "fsdp": 2, "expert": 2},
 }
 CPS = (1, 2, 4, 8)
+# The expert group these studies compiled the exchange over: the expert axes and the
+# context devices (fsdp stays a weight split). Pinned, since `auto` may weigh another.
+EXCHANGE_GROUP = ("expert_group=expert_and_sequence",)
 # The compilers users train with: (hardware preset, the split cp multiplies).
 TARGET_SPLITS = {
     "tpu": ("v5p", "fsdp8", {"fsdp": 8}),
@@ -89,6 +95,7 @@ def target_points(target: str) -> list[tuple[str, str, Point]]:
                     param_dtype="bfloat16",
                     model=model,
                     hardware=hardware,
+                    extra=EXCHANGE_GROUP if exchange == "all_to_all" else (),
                     **MODELS[model],
                 )
                 out.append((model, split, point))
@@ -118,6 +125,7 @@ def scale_point(model: str, split: str, seq: int, cp: int, exchange: str) -> Poi
         dtype="bfloat16",
         param_dtype="bfloat16",
         model=model,
+        extra=EXCHANGE_GROUP if exchange == "all_to_all" else (),
         **MODELS[model],
     )
 
@@ -210,6 +218,71 @@ def plot(payload: dict):
     return fig
 
 
+# Each study and the compiler its points were compiled for.
+STUDIES = {
+    "scale": "cpu",
+    "scale_tpu": "tpu",
+    "scale_gpu": "gpu",
+    "scale_tpu_jax012": "tpu",
+    "scale_gpu_jax012": "gpu",
+}
+
+
+def compiled_with(payload: dict) -> str:
+    """The jax release a study's programs were compiled with: its recorded stack's, or
+    0.10.2 for the studies written before the stack was recorded (the Python 3.11
+    stack). The selector's count of them follows that release's compiler."""
+    found = re.search(r"jax (\S+?),", payload.get("stack") or "")
+    return found.group(1) if found else "0.10.2"
+
+
+def repredicted(study: str) -> list[dict]:
+    """The study's rows with the selector's side counted again, XLA's side kept; each
+    point counted for the jax release it was compiled with, whatever is installed."""
+    payload = load(study)
+    release = f"hardware.jax_version={compiled_with(payload)}"
+    target = STUDIES[study]
+    todo = target_points(target) if target != "cpu" else points(tuple(payload["seqs"]))
+    stored = StoredRows(payload["rows"], None)
+    rows = []
+    for model, split, p in todo:
+        old = stored.by_label.get(p.label())
+        if not old:  # a point the study did not compile (--quick)
+            continue
+        pinned = dataclasses.replace(p, extra=(*p.extra, release))
+        rows.append(row(model, split, p, {**stored.pop(p.label())["raw"], **predicted(pinned)}))
+    return rows
+
+
+def check() -> int:
+    """0 when every study's stored predictions are today's count; else what moved."""
+    def counted(rows):
+        out: dict = {}
+        for r in rows:
+            out.setdefault(r["raw"]["point"], []).append(r["predicted"])
+        return out
+
+    failed = 0
+    for study in STUDIES:
+        fresh, stored = counted(repredicted(study)), counted(load(study)["rows"])
+        moved = [f"{label}: not predicted now" for label in stored if label not in fresh]
+        moved += [
+            f"{label} {k}: {a[k]:.6g} now, {b[k]:.6g} stored"
+            for label, now in fresh.items()
+            for a, b in zip(now, stored.get(label, []), strict=True)
+            for k in a
+            if abs(a[k] - b[k]) > 1e-9 * max(abs(a[k]), abs(b[k]), 1.0)
+        ]
+        if moved:
+            failed = 1
+            print(f"bench.scale --check: stale {study}.json ({len(moved)} numbers): {moved[:3]}")
+        else:
+            print(f"bench.scale --check: {len(fresh)} rows agree with {study}.json (counts)")
+    if failed:
+        print("Re-run python -m bench.scale --repredict [--target T --into STUDY] to refresh.")
+    return failed
+
+
 def summarise(rows: list[dict]) -> None:
     print(table(rows, SCALE_COLUMNS))
     errors = prediction_errors(rows)
@@ -233,17 +306,18 @@ def main() -> None:
     parser.add_argument(
         "--into", metavar="NAME", help="with --target: the study to write (default scale_TARGET)"
     )
+    parser.add_argument(
+        "--check", action="store_true", help="every study's predictions again, against its JSON"
+    )
     args = parser.parse_args()
+    if args.check:
+        sys.exit(check())
     if args.target:
         return run_target(args.target, args.only, args.repredict, args.into)
     if args.replot or args.repredict:
         payload = load("scale")
         if args.repredict:  # the selector's side again, from each point's config
-            payload["rows"] = [
-                row(r["model"], r["split"], p, {**r["raw"], **predicted(p)})
-                for r in payload["rows"]
-                for p in [scale_point(r["model"], r["split"], r["seq"], r["cp"], r["exchange"])]
-            ]
+            payload["rows"] = repredicted("scale")
             summarise(payload["rows"])
         save("scale", payload, plot(payload))
         return
@@ -278,13 +352,8 @@ def run_target(
     study = into or f"scale_{target}"
     todo = target_points(target)
     if repredict:  # the selector's side again (after a new calibration), XLA's kept
-        previous = load(study)
-        stored = StoredRows(previous["rows"], None)
-        rows = [
-            row(model, split, p, {**stored.pop(p.label())["raw"], **predicted(p)})
-            for model, split, p in todo
-        ]
-        compiled_on = previous.get("stack")  # the compiles' stack, not this process's
+        rows = repredicted(study)
+        compiled_on = load(study).get("stack")  # the compiles' stack, not this process's
     else:
         rows = compile_all(todo, study, only)
         compiled_on = stack()

@@ -28,6 +28,8 @@ expert matmuls.
     python -m bench.targets --real       # adds the real models (minutes each)
     python -m bench.targets --maxtext    # only MaxText's comparison shape, cp 1, 2, 4
     python -m bench.targets --replot
+    python -m bench.targets --check      # both stacks' predictions recounted, compared
+    python -m bench.targets --repredict [--into targets_jax012]   # recount into the JSON
 """
 
 from __future__ import annotations
@@ -169,37 +171,89 @@ def expert_flops(platform, block, program, dims) -> tuple[float, float]:
     return static, routed
 
 
-def small_rows() -> list[dict]:
-    import selector
+# The small block's exchange is compiled over the context devices (fsdp stays a weight
+# split), the group these studies have always compiled; pinned, as `auto` weighs others.
+SMALL_GROUP = "expert_and_sequence"
 
-    rows = []
+
+def small_cases():
+    """(platform, dispatch, exchange, backend) of every small row, in the study's order."""
     for platform in ("tpu", "gpu"):
         for dispatch, exchange, backend in CASES:
-            if backend not in PLATFORM_BACKENDS[platform]:
-                continue
-            block, program, seconds = compile_block(
-                platform, SMALL, SMALL_MESH, dispatch, exchange, backend
-            )
-            m = program.memory_analysis()
-            flops, routed = expert_flops(platform, block, program, SMALL)
-            cfg = selector.compose(
-                overrides(platform, SMALL, SMALL_MESH, dispatch, exchange, backend)
-            )
-            est = selector.resolve(cfg, SMALL_MESH).chosen_estimate
-            rows.append(
-                {
-                    "platform": {"tpu": "XLA:TPU v5p x 8", "gpu": "XLA:GPU H100 x 8"}[platform],
-                    "name": f"{dispatch} / {exchange}",
-                    "backend": block.plan.gmm_backend if dispatch == "megablox" else "",
-                    "temp_mib": m.temp_size_in_bytes / 2**20,
-                    "arguments_mib": m.argument_size_in_bytes / 2**20,
-                    "predicted_temp_mib": est.memory.temp / 2**20,
-                    "kernels": program.as_text().count('custom_call_target="tpu_custom_call"'),
-                    "flops_vs_routed": "" if math.isnan(flops) else round(flops / routed, 3),
-                    "compile_s": round(seconds, 1),
-                }
-            )
-            print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+            if backend in PLATFORM_BACKENDS[platform]:
+                yield platform, dispatch, exchange, backend
+
+
+def small_estimate(platform, dispatch, exchange, backend, jax_version: str = "auto"):
+    """The selector's estimate of one small row, counted for `jax_version`'s compilers."""
+    import selector
+
+    cfg = selector.compose(
+        [
+            *overrides(platform, SMALL, SMALL_MESH, dispatch, exchange, backend),
+            f"expert_group={SMALL_GROUP}",
+            f"hardware.jax_version={jax_version}",
+        ]
+    )
+    return selector.resolve(cfg, SMALL_MESH).chosen_estimate
+
+
+def recount(study: str) -> dict:
+    """The stored study with the small rows' predictions counted again for the jax it
+    was compiled with (XLA's numbers kept)."""
+    from bench.common import load
+
+    payload = load(study)
+    for row, case in zip(payload["small"], small_cases(), strict=True):
+        est = small_estimate(*case, jax_version=payload["jax"])
+        row["predicted_temp_mib"] = est.memory.temp / 2**20
+    return payload
+
+
+def check() -> int:
+    """0 when both stacks' stored predictions are today's count."""
+    from bench.common import load
+
+    moved = []
+    for study in ("targets", "targets_jax012"):
+        fresh, stored = recount(study)["small"], load(study)["small"]
+        moved += [
+            f"{study} {a['platform']} {a['name']} {a['backend']}: "
+            f"{a['predicted_temp_mib']:.4g} MiB now, {b['predicted_temp_mib']:.4g} stored"
+            for a, b in zip(fresh, stored, strict=True)
+            if abs(a["predicted_temp_mib"] - b["predicted_temp_mib"]) > 1e-9
+        ]
+    if moved:
+        print("bench.targets --check: stale predictions: " + "; ".join(moved))
+        print("Re-run python -m bench.targets --repredict [--into targets_jax012].")
+        return 1
+    print("bench.targets --check: the small rows' predictions agree with both studies")
+    return 0
+
+
+def small_rows() -> list[dict]:
+    rows = []
+    for platform, dispatch, exchange, backend in small_cases():
+        block, program, seconds = compile_block(
+            platform, SMALL, SMALL_MESH, dispatch, exchange, backend, SMALL_GROUP
+        )
+        m = program.memory_analysis()
+        flops, routed = expert_flops(platform, block, program, SMALL)
+        est = small_estimate(platform, dispatch, exchange, backend)
+        rows.append(
+            {
+                "platform": {"tpu": "XLA:TPU v5p x 8", "gpu": "XLA:GPU H100 x 8"}[platform],
+                "name": f"{dispatch} / {exchange}",
+                "backend": block.plan.gmm_backend if dispatch == "megablox" else "",
+                "temp_mib": m.temp_size_in_bytes / 2**20,
+                "arguments_mib": m.argument_size_in_bytes / 2**20,
+                "predicted_temp_mib": est.memory.temp / 2**20,
+                "kernels": program.as_text().count('custom_call_target="tpu_custom_call"'),
+                "flops_vs_routed": "" if math.isnan(flops) else round(flops / routed, 3),
+                "compile_s": round(seconds, 1),
+            }
+        )
+        print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     return rows
 
 
@@ -348,8 +402,17 @@ def main() -> None:
             "action": "store_true",
             "help": "only compile MaxText's comparison shape (cp 1, 2, 4) into the JSON",
         },
+        check={"action": "store_true", "help": "recount both studies' predictions"},
+        repredict={"action": "store_true", "help": "recount the study's predictions into it"},
     )
     if args is None:
+        return
+    if args.check:
+        raise SystemExit(check())
+    if args.repredict:
+        payload = recount(args.into)
+        print(table(payload["small"], COLUMNS))
+        print("wrote", *save(args.into, payload, plot(payload)))
         return
     # --real and --maxtext compile one part again and keep the rest of the study.
     for part, wanted, rows, columns in (

@@ -210,6 +210,10 @@ class Hardware(Frozen):
     einsum_curve: list[list[float]] = field(default_factory=list)
     hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
     gather_gbps: float = 0.0  # rows moved by gathers and scatters, GB/s (0: the HBM's)
+    # Copies that put a gathered weight back in its layout (bytes read and written,
+    # GB/s; 0: the HBM's): one that keeps the minor dimension, one that changes it.
+    relayout_gbps: float = 0.0
+    transpose_gbps: float = 0.0
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
     # Per-op costs (microseconds); None where the preset has no figure (not counted).

@@ -16,7 +16,7 @@ from .plan_sizes import GmmTiling, exchange_buffer_rows, shared_width
 from .tiles import exchanged_calls, gathered_calls, kernel_rows, routed_rows
 from .tiling import TileOption, TileShape
 from .tiling import choose as choose_tiling
-from .traits import traits
+from .traits import jax_release, traits
 
 # Row tile of each backend. The Pallas kernels and tiled_gmm are counted from their own
 # tile plans (selector.tiles); ragged_dot on TPU is XLA's lowering, whose plan we have
@@ -77,6 +77,8 @@ class DeviceProblem:
     hidden_shards: int = 1
     hidden_dcn: int = 1
     kernel: str = "tiled_gmm"  # the grouped-matmul backend (gmm_backend)
+    embed_gathered: int = 1  # devices the weights' embed dim is gathered from
+    relayouts: tuple[str, ...] = ()  # matrices relaid around that gather (Traits)
     # The grouped matmul's tiling (megablox; `tile` is its tm) and the tiles priced.
     tiling: GmmTiling | None = None
     tile_options: tuple[TileOption, ...] = ()
@@ -129,6 +131,10 @@ def problem_shape(
         hidden_shards=mesh.product(place.hidden_axes),
         hidden_dcn=mesh.dcn_product(place.hidden_axes),
         kernel=gmm_backend(cfg),
+        embed_gathered=mesh.product(place.embed_axes),
+        relayouts=traits(
+            cfg.hardware.platform, jax_release(cfg.hardware.jax_version)
+        ).gather_relayouts,
     )
     return with_tiling(cfg, p)
 

@@ -242,7 +242,8 @@ def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
             _wrap(
                 f"{w.flops / 1e9:,.4g} GFLOP in {w.dot_count:,.0f} dots; "
                 f"{w.memory_bytes / 1e9:.3g} GB through memory, {w.gather_bytes / 1e9:.3g} GB "
-                f"gathered; {w.collectives:,.0f} collectives, {w.ici_bytes / 1e9:.3g} GB over "
+                f"gathered, {(w.relayout_bytes + w.transpose_bytes) / 1e9:.3g} GB relaid; "
+                f"{w.collectives:,.0f} collectives, {w.ici_bytes / 1e9:.3g} GB over "
                 f"ICI, {w.dcn_bytes / 1e9:.3g} GB over DCN; {w.ops:,.0f} other ops, "
                 f"{w.loop_trips:,.0f} loop trips",
                 "      ",

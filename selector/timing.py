@@ -10,6 +10,10 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 - memory bytes: activations written and read back, and the expert weights read;
 - gather bytes: rows moved by gathers and scatters (sorting the routed rows by expert,
   packing the exchange's round buffers, adding results back into the tokens);
+- relayout and transpose bytes: the copies a compiler makes of a routed weight matrix
+  gathered over the embed axes, to put it back in its layout (and of its gradient before
+  the reduce-scatter), read and written once each way (`Traits.gather_relayouts`): the
+  gate and up matrices' copy keeps the minor dim, the out matrix's changes it;
 - collectives: how many the step issues (weight all-gathers and gradient
   reduce-scatters, the exchange's all-to-alls every round, the round count's pmax, the
   statistics' and hidden axes' sums) and the bytes each device moves over ICI and DCN;
@@ -23,6 +27,7 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 
     compute  = sum over dots of FLOPs / rate(dot size)       (the matmul curve, or peak)
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
+               + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
     overhead = call + ops x launch + loop trips x loop trip
 
@@ -43,6 +48,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 
 from .config import Dispatch, Exchange, Hardware
+from .memory_model import routed_weight_elements
 from .problem import DeviceProblem, buffer_rows
 from .tiles import exchanged_calls, gathered_calls, routed_rows, tiled_gmm_visits
 
@@ -81,6 +87,8 @@ class Work:
     dcn_bytes: float
     ops: float  # ops issued besides the dots
     loop_trips: float
+    relayout_bytes: float = 0.0  # copies of gathered weights that keep the minor dim
+    transpose_bytes: float = 0.0  # copies that change it
 
     @property
     def flops(self) -> float:
@@ -139,9 +147,12 @@ def matmul_rate(flops: float, hw: Hardware, kind: str = "plain") -> float:
 def price(work: Work, hw: Hardware) -> TimeParts:
     """The four parts of `work`'s time under `hw`'s constants (the module docstring)."""
     compute = sum(n * f / matmul_rate(f, hw, kind) for kind, f, n in work.dots)
-    gather_bw = hw.gather_gbps or hw.hbm_bandwidth_gbps
-    memory = work.memory_bytes / (hw.hbm_bandwidth_gbps * 1e9) + work.gather_bytes / (
-        gather_bw * 1e9
+    hbm = hw.hbm_bandwidth_gbps
+    memory = (
+        work.memory_bytes / (hbm * 1e9)
+        + work.gather_bytes / ((hw.gather_gbps or hbm) * 1e9)
+        + work.relayout_bytes / ((hw.relayout_gbps or hbm) * 1e9)
+        + work.transpose_bytes / ((hw.transpose_gbps or hbm) * 1e9)
     )
     network = (
         work.collectives * (hw.collective_latency_us or 0.0) * 1e-6
@@ -279,6 +290,9 @@ def count_work(
         dots.append(("batched", 2 * slots * p.S * p.M, 2 * (1 + bwd)))
         dots.append(_ffn_dots("batched", slots, p, 3 * (1 + bwd)))
         ops += PROGRAM_OPS[("dense", p.train)]
+    # One matrix gathered over the embed axes, copied once each way (read and written).
+    relaid = 2 * routed_weight_elements(strategy, p) / 3 * p.xb * (1 + p.train)
+    relaid *= p.embed_gathered > 1
     return Work(
         dots=tuple(dots),
         memory_bytes=memory_bytes,
@@ -288,6 +302,8 @@ def count_work(
         dcn_bytes=traffic.dcn,
         ops=ops,
         loop_trips=trips,
+        relayout_bytes=2 * relaid * ("gate_up" in p.relayouts),
+        transpose_bytes=relaid * ("out" in p.relayouts),
     )
 
 
@@ -303,6 +319,8 @@ def priced_by(hw: Hardware) -> str:
         matmul,
         f"memory {hw.hbm_bandwidth_gbps:g} GB/s",
         f"gathers {hw.gather_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
+        f"relayouts {hw.relayout_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
+        f"transposes {hw.transpose_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
         f"ICI {hw.ici_bandwidth_gbps:g} GB/s",
         f"DCN {hw.dcn_bandwidth_gbps:g} GB/s",
     ]

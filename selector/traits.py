@@ -53,6 +53,16 @@ class Traits:
         (one more on a single device, not counted); XLA:CPU three float32 and one
         compute-dtype copy training and two float32 forward (k <= 2; at k = 4 it held
         five and two).
+      gather_relayouts: which routed weight matrices the compiler copies into another
+        layout around their all-gather over the embed axes (and their gradients'
+        reduce-scatter), a full gathered matrix each way: "gate_up", the two (E, M, H)
+        matrices whose embed dim is in the middle, and "out", the (E, H, M) matrix whose
+        embed dim is minor. Read in the compiled gathered block (8 devices, fsdp 2 x
+        context 4, 32 MiB matrices): XLA:CPU and jax 0.10's XLA:GPU gather in a layout
+        with the gathered dim major and copy (CPU) or transpose (GPU) every matrix back;
+        jax 0.12's XLA:GPU runs the grouped matmul's loops on the gathered layout, with
+        no copy; XLA:TPU (libtpu 0.0.42 and 0.0.50) gathers the gate and up matrices in
+        place and copies only the out matrix.
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -73,6 +83,7 @@ class Traits:
     runs_pallas_megablox: bool = True
     capacity_masks_f32: tuple[float, float] = (0.0, 0.0)
     capacity_masks_compute: tuple[float, float] = (0.0, 0.0)
+    gather_relayouts: tuple[str, ...] = ("gate_up", "out")
     compiler_factor: float = 1.0
 
     @property
@@ -100,11 +111,17 @@ TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
         compiler_factor=1.45,
     ),
     ("tpu", (0, 0)): Traits(
-        fuses_weight_cast=True, native_gmm="pallas_megablox", ragged_dot_dense=False
+        fuses_weight_cast=True,
+        native_gmm="pallas_megablox",
+        ragged_dot_dense=False,
+        gather_relayouts=("out",),
     ),
     ("gpu", (0, 0)): _XLA_GPU,
     ("gpu", (0, 12)): replace(
-        _XLA_GPU, gathered_gradients_held=1 / 3, gathered_forward_second_layout=False
+        _XLA_GPU,
+        gathered_gradients_held=1 / 3,
+        gathered_forward_second_layout=False,
+        gather_relayouts=(),
     ),
 }
 PLATFORMS = tuple(sorted({platform for platform, _ in TRAITS}))

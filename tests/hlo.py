@@ -101,3 +101,48 @@ def dot_flops(hlo_text: str, scope: str) -> float:
         contracted = math.prod(lhs[int(d)] for d in contract.group("dims").split(",") if d)
         total += 2 * math.prod(shapes[out.group("name")]) * contracted
     return total
+
+
+_GATHER = re.compile(
+    r"%(?P<name>[\w.\-]+) = [a-z]+\d*\[(?P<dims>[\d,]+)\]\{(?P<layout>[\d,]+)[^}]*\} "
+    r"all-gather(?:-done)?\((?P<args>[^)]*)\)(?P<rest>.*)$"
+)
+_VALUE = re.compile(
+    r"%(?P<name>[\w.\-]+) = [a-z]+\d*\[(?P<dims>[\d,]*)\]\{(?P<layout>[\d,]+)[^}]*\} "
+)
+
+
+def relaid_gathers(hlo_text: str) -> set[int]:
+    """The dims along which the program all-gathers a 3-D array and then copies the
+    result into another layout (a value of the same shape whose minor-to-major order
+    differs from the gather's): what a compiler does to gather a non-major dim of a
+    weight."""
+    lines = hlo_text.splitlines()
+    starts = {}  # an all-gather-start's name -> its gathered dim (read off its line)
+    for line in lines:
+        m = re.search(r"%([\w.\-]+) = \(.*\) all-gather-start\(.*dimensions=\{(\d+)\}", line)
+        if m:
+            starts[m.group(1)] = int(m.group(2))
+    found = set()
+    for line in lines:
+        m = _GATHER.search(line.strip())
+        if not m or m.group("dims").count(",") != 2:
+            continue
+        dim = re.search(r"dimensions=\{(\d+)\}", line)
+        if dim:
+            gathered = int(dim.group(1))
+        else:  # an all-gather-done names its start, which names the dim
+            gathered = starts.get(m.group("args").strip().lstrip("%"))
+        if gathered is None:
+            continue
+        use = re.compile(r"[(,]\s*%" + re.escape(m.group("name")) + r"[),]")
+        for other in lines:
+            user = _VALUE.search(other.strip())
+            if (
+                user
+                and use.search(other)
+                and user.group("dims") == m.group("dims")
+                and user.group("layout") != m.group("layout")
+            ):
+                found.add(gathered)
+    return found

@@ -28,6 +28,14 @@ single op, so the cost of calling a program drops out:
   psums over the 8 devices at 5 sizes (8 KB to 8 MB a device); for each kind a line
   time = latency + bytes / bandwidth through the sizes (least relative squares), the
   median of the three kinds;
+- relayout_gbps, transpose_gbps: an all-gather of an (E, M, H) float32 matrix over the 8
+  devices along its middle dim, and along its minor dim, each less the same gather along
+  its major dim (XLA:CPU gathers in a layout with the gathered dim major and copies the
+  result back, as it does the grouped matmul's weights), and the same for a
+  reduce-scatter; bytes read and written by the copy (twice the matrix) per second of
+  the difference, the median over 3 shapes and the two collectives. The middle dim's
+  copy keeps the minor dim (the gate and up matrices'), the minor dim's changes it (the
+  out matrix's);
 - loop_trip_us: a fori_loop of 1,000 trips whose body is one 4 x 4 dot, per trip less
   one launch (the loop's own cost a trip; 0 when a trip costs no more than its dot).
 
@@ -36,6 +44,7 @@ reads no study's output); tests/test_machine.py checks the file against this stu
 
     python -m bench.calibration.machine            # measure, write bench/results/machine_cpu.json and .png
     python -m bench.calibration.machine --write    # and conf/hardware/cpu.yaml
+    python -m bench.calibration.machine --relayouts --write  # those two rates alone
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from bench.common import use_cpu_devices
 if __name__ == "__main__":
     use_cpu_devices(8)
 
-from bench.common import arguments, machine, median, pyplot, save, table  # noqa: E402
+from bench.common import arguments, load, machine, median, pyplot, save, table  # noqa: E402
 
 ROUNDS = 15
 STUDY = "machine_cpu"
@@ -58,6 +67,7 @@ MATMUL_ROWS = (8, 32, 64, 128, 512, 2048)
 MATMUL_KN = ((64, 128), (192, 384), (640, 1280))
 TRIPS = 32
 COLLECTIVE_ROWS = (16, 128, 1024, 4096, 16384)  # rows of 128 float32 a device
+RELAYOUT_SHAPES = ((64, 192, 384), (32, 96, 192), (16, 192, 768))  # (E, M, H) gathered
 CURVES = ("matmul_curve", "gmm_curve", "einsum_curve")
 SCALARS = (
     "call_us",
@@ -67,6 +77,8 @@ SCALARS = (
     "gather_gbps",
     "ici_bandwidth_gbps",
     "collective_latency_us",
+    "relayout_gbps",
+    "transpose_gbps",
 )
 
 
@@ -363,6 +375,43 @@ def collectives() -> tuple[float, float, list[dict]]:
     return median([f[0] for f in fits]), median([f[1] for f in fits]), out
 
 
+def relayouts() -> tuple[float, float, list[dict]]:
+    """(relayout GB/s, transpose GB/s, rows): what gathering a matrix along its middle or
+    minor dim costs beyond gathering it along its major dim, and the same for a
+    reduce-scatter, as bytes the copy reads and writes per second."""
+    import jax
+    from jax import lax
+
+    n = len(jax.devices())
+    rows, rates = [], {1: [], 2: []}
+    for full in RELAYOUT_SHAPES:
+        for kind in ("all_gather", "reduce_scatter"):
+            seconds = {}
+            for dim in (0, 1, 2):
+                if kind == "all_gather":
+                    shape = tuple(s // n if d == dim else s for d, s in enumerate(full))
+
+                    def body(x, dim=dim):
+                        return lax.all_gather(x, "d", axis=dim, tiled=True) * 0.5
+
+                else:
+                    shape = full
+
+                    def body(x, dim=dim):
+                        return lax.psum_scatter(x, "d", scatter_dimension=dim, tiled=True) * 0.5
+
+                seconds[dim] = _timed(*_flat(_program(body, shape)))
+            moved = 2 * 4 * full[0] * full[1] * full[2]
+            for dim in (1, 2):
+                rate = moved / max(seconds[dim] - seconds[0], 1e-9) / 1e9
+                rates[dim].append(rate)
+                rows.append(
+                    {"collective": kind, "shape": "x".join(map(str, full)), "dim": dim,
+                     "ms_more": (seconds[dim] - seconds[0]) * 1e3, "gbps": rate}
+                )
+    return median(rates[1]), median(rates[2]), rows
+
+
 def loop_trip(launch_s: float) -> float:
     from jax import lax
 
@@ -380,6 +429,7 @@ def measure() -> dict:
     launch_s = launch()
     latency, bandwidth, collective_rows = collectives()
     gbps_gather, gathers = gather()
+    relayout, transpose, relayout_rows = relayouts()
     constants = {
         "call_us": call() * 1e6,
         "launch_us": launch_s * 1e6,
@@ -388,6 +438,8 @@ def measure() -> dict:
         "gather_gbps": gbps_gather,
         "ici_bandwidth_gbps": bandwidth / 1e9,
         "collective_latency_us": latency * 1e6,
+        "relayout_gbps": relayout,
+        "transpose_gbps": transpose,
     }
     curve = matmul_curve()
     return {
@@ -399,6 +451,7 @@ def measure() -> dict:
         "einsum_curve": einsum_curve(),
         "gathers": gathers,
         "collectives": collective_rows,
+        "relayouts": relayout_rows,
     }
 
 
@@ -462,10 +515,20 @@ def main() -> int:
         __doc__,
         plot,
         write={"action": "store_true", "help": "store the constants in conf/hardware/cpu.yaml"},
+        relayouts={
+            "action": "store_true",
+            "help": "measure only the relayout and transpose rates, into the stored study",
+        },
     )
     if args is None:
         return 0
-    payload = measure()
+    if args.relayouts:
+        payload = load(STUDY)
+        relayout, transpose, payload["relayouts"] = relayouts()
+        payload["constants"].update(relayout_gbps=relayout, transpose_gbps=transpose)
+        payload["relayouts_machine"] = machine()
+    else:
+        payload = measure()
     print(
         table([{k: f"{v:.4g}" for k, v in payload["constants"].items()}], [(k, k) for k in SCALARS])
     )

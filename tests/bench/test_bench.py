@@ -67,6 +67,36 @@ def test_a_results_page_quotes_its_stored_json(study, page, columns):
     assert common.table(rows, getattr(common, columns)) in (ROOT / page).read_text()
 
 
+@pytest.mark.parametrize(
+    "study, page",
+    [
+        ("scale", "docs/results/scale.md"),
+        *((s, "docs/results/scale-targets.md") for s in ("scale_gpu", "scale_tpu")),
+        *((f"{s}_jax012", "docs/results/scale-targets.md") for s in ("scale_gpu", "scale_tpu")),
+    ],
+)
+def test_the_scale_pages_quote_todays_count_of_their_compiles(study, page):
+    """Each scale study's table (sequence 8192 on the CPU page) is on its page as the JSON
+    gives it, and the JSON's predictions are today's count (`bench.scale --check`)."""
+    from bench import common
+
+    rows = [r for r in common.load(study)["rows"] if r["seq"] == 8192]
+    assert common.table(rows, common.SCALE_COLUMNS) in (ROOT / page).read_text()
+
+
+def test_bench_scale_check_recounts_every_stored_prediction():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=probe_env(64),
+        timeout=600,
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count("agree with") == 5
+
+
 def _stored(study: str) -> dict:
     from bench.common import load
 
@@ -121,3 +151,33 @@ def test_the_readme_limits_quote_the_stored_results():
 
     v5p, h200 = own("tpu/native", "step_compile"), own("gpu/native", "step_compile_gpu")
     assert f"within 15% at {v5p} points on v5p and {h200} on H200" in readme
+
+
+@pytest.mark.parametrize("study", ["picks_cpu", "picks_cpu_dev"])
+def test_the_picks_studies_are_scored_by_todays_count(study):
+    """The stored picks, regrets and estimates are what today's selector gives on the
+    stored timings (`python -m bench.picks [--set dev]` re-scores them): a change of the
+    time count that moves a pick leaves the JSON, and the numbers quoted from it, stale."""
+    import json
+
+    from bench.picks import count_error, score, summary
+
+    stored = json.loads((ROOT / "bench" / "results" / f"{study}.json").read_text())
+    decisions = score(stored["rows"])
+    assert [(d["pick"], d["estimated_ms"]) for d in decisions] == [
+        (d["pick"], d["estimated_ms"]) for d in stored["decisions"]
+    ]
+    assert summary(decisions) == stored["summary"]
+    assert count_error(decisions) == stored["estimate_over_measured"]
+
+
+def test_the_targets_page_quotes_todays_count_of_its_compiles():
+    """Both stacks' small-block tables are on the page as their JSON gives them, and the
+    JSON's predictions are today's count (`bench.targets --check`)."""
+    from bench import common
+    from bench.targets import COLUMNS, check
+
+    page = (ROOT / "docs/results/targets.md").read_text()
+    for study in ("targets", "targets_jax012"):
+        assert common.table(common.load(study)["small"], COLUMNS) in page, study
+    assert check() == 0

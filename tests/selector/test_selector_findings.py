@@ -194,7 +194,7 @@ CASES = [
             "model=qwen3_next_80b_a3b",
             "mesh=v5p_128",
             "capacity_factor=1.25",
-            "max_target_length=1024",
+            "max_target_length=2048",
         ),
     ),
     ("HARDWARE_INVALID", "error", ("hardware.memory_gib=0",), ("hardware.memory_gib=1",)),

@@ -44,6 +44,11 @@ def test_each_part_is_its_counts_over_its_constants():
     parts = price(work, _hw())
     assert parts.compute == pytest.approx((3 * 2e9 + 2 * 1e9) / 1e12)
     assert parts.memory == pytest.approx(4e9 / 2e9 + 1e9 / 0.5e9)
+    relaid = price(
+        Work((), 0.0, 0.0, 0, 0.0, 0.0, 0, 0, relayout_bytes=3e9, transpose_bytes=1e9),
+        _hw(relayout_gbps=1.5, transpose_gbps=0.25),
+    )
+    assert relaid.memory == pytest.approx(3e9 / 1.5e9 + 1e9 / 0.25e9)
     assert parts.network == pytest.approx(5 * 10e-6 + 8e9 / 4e9 + 1e9 / 1e9)
     assert parts.overhead == pytest.approx((100 + 1000 * 2 + 200 * 3) * 1e-6)
     assert parts.total == pytest.approx(sum(parts.as_dict().values()))
@@ -98,6 +103,65 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
     rows = 512
     sort = rows * 9 * 8
     assert work.gather_bytes == pytest.approx(4 * rows * 64 * 4 + sort + 4 * rows * 3)
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "v5p"])
+def test_gathered_weights_are_relaid_as_the_compiler_relays_them(hardware):
+    """Gathered over the embed axes (fsdp 2 x context 4), each routed matrix the compiler
+    relays is copied once each way, read and written (training: in and out): XLA:CPU
+    the two (E, M, H) matrices and the (E, H, M) one, XLA:TPU only the latter. An
+    exchange over every embed axis gathers none, so relays none; nor does a gather over
+    the expert axis alone (the experts' dim is major)."""
+    over = ("ici_fsdp_parallelism=2", "ici_context_parallelism=4", "per_device_batch_size=0.25")
+    chip = [] if hardware == "cpu" else [f"hardware={hardware}"]
+    cfg, plan, p = problem(*over, *chip, "num_experts=16", "expert_exchange=gather")
+    work = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
+    matrix = 16 * 64 * 128 * p.xb
+    assert p.embed_gathered == 8
+    assert work.relayout_bytes == (2 * 2 * 2 * matrix if hardware == "cpu" else 0)
+    assert work.transpose_bytes == 2 * 2 * matrix
+    folded = typed(*over, *chip, "num_experts=16", "expert_group=expert_sequence_and_fsdp")
+    exchanged = selector.resolve(folded).candidate(Dispatch.megablox, Exchange.all_to_all)
+    assert exchanged.placement.embed_axes == ()
+    assert exchanged.estimate.work.relayout_bytes == exchanged.estimate.work.transpose_bytes == 0
+    cfg, plan, p = problem("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", *chip)
+    gathered = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
+    assert p.gathered == 8 and gathered.relayout_bytes == gathered.transpose_bytes == 0
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "h200", "v5p"])
+def test_the_relayout_trait_is_what_the_compiled_program_does(hardware):
+    """The gathered block compiled for 8 devices (fsdp 2 x context 4; XLA:CPU here,
+    XLA:GPU and XLA:TPU ahead of time): the weights gathered along their middle dim (the
+    gate and up matrices) or their minor dim (the out matrix) are copied into another
+    layout exactly where `Traits.gather_relayouts` says. Each matrix is 32 MiB, past
+    the size under which XLA:GPU combines the three gathers into one (as real models'
+    matrices are)."""
+    from checks.compiled import compile_plan
+    from hlo import relaid_gathers
+
+    from selector.traits import jax_release, traits
+
+    chip = [] if hardware == "cpu" else [f"hardware={hardware}"]
+    cfg = typed(
+        *chip,
+        "ici_fsdp_parallelism=2",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=1024",
+        "num_experts=64",
+        "base_emb_dim=256",
+        "base_moe_mlp_dim=512",
+        "dispatch=megablox",
+        "expert_exchange=gather",
+    )
+    needs = {"h200": "jax_plugins.xla_cuda12", "v5p": "libtpu"}.get(hardware)
+    if needs:
+        pytest.importorskip(needs, reason=f"the compiler for {hardware} is not installed")
+    _, program, _, _ = compile_plan(cfg, selector.resolve(cfg))
+    said = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version)).gather_relayouts
+    expected = {dim for dim, name in ((1, "gate_up"), (2, "out")) if name in said}
+    assert relaid_gathers(program.as_text()) == expected
 
 
 def test_the_exchange_recomputes_its_forward_in_the_backward():
@@ -178,9 +242,20 @@ def test_the_picks_numbers_quoted_are_the_studys():
     now, before = study["summary"], study["baseline"]["summary"]
     readme = (ROOT / "README.md").read_text()
     page = (ROOT / "docs/results/picks.md").read_text()
-    for summary in (now, before):
-        told = f"{summary['picks_fastest']}"
-        assert told in page and f"{summary['worst_regret']:.2f}" in page
+    for summary in (now, before, *(row["summary"] for row in study["earlier"])):
+        row = (
+            f"| {summary['picks_fastest']} | {summary['within_noise']} | "
+            f"{summary['worst_regret']:.2f} | {summary['median_regret']:.2f} | "
+            f"{summary['regret_over_1.10']} | {summary['median_spearman']:.2f} |"
+        )
+        assert row in page, row
+    for name, path in (("dev", "picks_cpu_dev.json"), ("judge", "picks_cpu.json")):
+        errors = json.loads((ROOT / "bench/results" / path).read_text())["estimate_over_measured"]
+        cells = " | ".join(
+            f"{errors[k][0]:.2f} ({errors[k][1]:.2f} to {errors[k][2]:.2f}), {errors[k][3]}"
+            for k in ("gathered", "exchanged", "dense")
+        )
+        assert f"| {name} | {cells} |" in page, name
     assert now["picks_fastest"].replace(" of ", " of ") in readme.replace("\n  ", " ")
     assert f"worst regret {now['worst_regret']:.2f}" in readme.replace("\n  ", " ")
 
