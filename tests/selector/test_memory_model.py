@@ -98,15 +98,37 @@ def stored_programs():
                 yield stack, program, got["temp_bytes"]
 
 
-@pytest.mark.parametrize("stack", sorted(json.loads(HOLDOUT.read_text())["stacks"]))
-def test_count_holds_to_the_real_layers_compiled_for_v5p_and_h200(stack):
+FOLDED_NOT_MET = pytest.mark.xfail(
+    strict=True,
+    reason="the fsdp-folded group's training is under-counted on v5p (the exchange's "
+    "backward holds more row buffers than one round's, and libtpu adds unnamed temp)",
+)
+
+
+@pytest.mark.parametrize(
+    "stack, judged",
+    [
+        *((s, "first") for s in sorted(json.loads(HOLDOUT.read_text())["stacks"])),
+        *(
+            pytest.param(s, "fsdp folded", marks=FOLDED_NOT_MET)
+            for s in sorted(json.loads(HOLDOUT.read_text())["stacks"])
+        ),
+    ],
+)
+def test_count_holds_to_the_real_layers_compiled_for_v5p_and_h200(stack, judged):
     """Issue 29's bar on every stack stored: the count within 20% of XLA's temp for at
     least 90% of the real presets' layers (cp 1, 2, 4; gathered and exchanged; training
-    and prefill; 64 v5p and 8 H200, compiled ahead of time by bench.calibration.memory_holdout)."""
+    and prefill; 64 v5p and 8 H200, compiled ahead of time by bench.calibration.memory_holdout).
+    The fsdp-folded group's set (issue 48 line 3) is held to the same bar; it does not
+    meet it yet, and the mark fails when it does."""
     from bench.calibration import memory_holdout
 
-    rows = [(p, t) for s, p, t in stored_programs() if s == stack]
-    assert len(rows) >= 60, len(rows)  # both chips, every preset
+    rows = [
+        (p, t)
+        for s, p, t in stored_programs()
+        if s == stack and memory_holdout.judged_set(p[3]) == judged
+    ]
+    assert len(rows) >= (60 if judged == "first" else 30), len(rows)  # both chips, presets
     ratios = {
         memory_holdout.key(*p): memory_holdout.estimate_temp(memory_holdout.overrides(*p), stack)
         / t
