@@ -9,7 +9,6 @@ cores.
     python -m tools.mutate memory                 # every mutant of the memory model
     python -m tools.mutate cost                   # every mutant of the cost model
     python -m tools.mutate cost --survivors       # its survivors again, after new tests
-    python -m tools.mutate timing --function price   # one function of the counted time
     python -m tools.mutate memory --again         # re-judged after the tests changed
     python -m tools.mutate placement --function exchange_group   # one function's mutants
     python -m tools.mutate step --sample 40 --seed 0   # the whole step's count, sampled
@@ -91,12 +90,6 @@ PARTS = {
             "tests/selector/test_whole_model.py",
             "tests/selector/test_report_text.py",
         ),
-    },
-    # The counted time (what a candidate's program does, and its price) against the
-    # tests that count it by hand and read the compilers' relayouts.
-    "timing": {
-        "modules": ("selector/timing.py",),
-        "tests": ("tests/selector/test_timing.py", "tests/selector/test_cost.py"),
     },
     # The counted memory model against its own tests and the cost model's (a survivor
     # costs about 20 s here, against 95 s in the selector part's whole selection).
