@@ -316,18 +316,29 @@ def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | Non
 
 
 def check_stored(
-    study: str, fresh: list[dict], key: tuple[str, ...], counted=(), compiled=()
+    study: str,
+    fresh: list[dict],
+    key: tuple[str, ...],
+    counted=(),
+    compiled=(),
+    *,
+    rows_of=lambda payload: payload["rows"],
+    module: str | None = None,
+    rerun: str | None = None,
 ) -> int:
     """A benchmark's `--check`: each freshly computed row against the stored row of
     bench/results/<study>.json with the same `key` values. The `counted` columns (this
     project's own counts) must agree everywhere; the `compiled` ones (a compiler's bytes)
-    where the stored JSON was written with the jax installed here. 0 when all agree;
-    otherwise what differs is printed and 1 returned."""
+    where the stored JSON was written with the jax installed here. `rows_of` takes the
+    stored rows, flat, out of the JSON; `module` names the benchmark (bench.<module>,
+    the study's name by default) and `rerun` the command that refreshes the study. 0
+    when all agree; otherwise what differs is printed and 1 returned."""
     import jax
 
     stored = load(study)
     same_stack = stored.get("machine", {}).get("jax") == jax.__version__
-    rows = {tuple(r.get(k) for k in key): r for r in stored["rows"]}
+    rows = {tuple(r.get(k) for k in key): r for r in rows_of(stored)}
+    module = module or study
     diffs = []
     for row in fresh:
         old = rows.get(tuple(row[k] for k in key))
@@ -340,10 +351,10 @@ def check_stored(
                 diffs.append(f"{column} of {[row[k] for k in key]}: {a:.6g} now, {b:.6g} stored")
     what = "counts" + (" and compiled bytes" if same_stack else "")
     if diffs:
-        print(f"bench.{study} --check: stale {study}.json ({what}): " + "; ".join(diffs))
-        print(f"Re-run python -m bench.{study} to refresh it.")
+        print(f"bench.{module} --check: stale {study}.json ({what}): " + "; ".join(diffs))
+        print(f"Re-run {rerun or f'python -m bench.{module}'} to refresh it.")
         return 1
-    print(f"bench.{study} --check: {len(fresh)} row(s) agree with {study}.json ({what})")
+    print(f"bench.{module} --check: {len(fresh)} row(s) agree with {study}.json ({what})")
     return 0
 
 

@@ -275,15 +275,23 @@ def _kind(name: str) -> str:
     return "dense" if name == "dense" else "gathered" if "gather" in name else "exchanged"
 
 
+def _milliseconds(d: dict) -> tuple[dict, dict]:
+    """({candidate: measured median ms}, {candidate: estimated ms}) of one decision."""
+
+    def parsed(text: str) -> dict:
+        return {n: float(v) for n, v in (part.rsplit(" ", 1) for part in text.split(", "))}
+
+    return parsed(d["times_ms"]), parsed(d["estimated_ms"])
+
+
 def count_error(decisions: list[dict]) -> dict:
     """{program kind: [median, least, most, programs]} of the estimate over the measured
     median, each candidate of each config one program."""
     ratios: dict[str, list[float]] = {}
     for d in decisions:
-        ms = dict(part.rsplit(" ", 1) for part in d["times_ms"].split(", "))
-        es = dict(part.rsplit(" ", 1) for part in d["estimated_ms"].split(", "))
+        ms, es = _milliseconds(d)
         for name in es:
-            ratios.setdefault(_kind(name), []).append(float(es[name]) / float(ms[name]))
+            ratios.setdefault(_kind(name), []).append(es[name] / ms[name])
     return {k: [median(v), min(v), max(v), len(v)] for k, v in sorted(ratios.items())}
 
 
@@ -326,12 +334,11 @@ def plot(payload: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     for d in payload["decisions"]:
-        ms = dict(part.rsplit(" ", 1) for part in d["times_ms"].split(", "))
-        es = dict(part.rsplit(" ", 1) for part in d["estimated_ms"].split(", "))
+        ms, es = _milliseconds(d)
         names = [n for n in ms if n in es]
         ax.plot(
-            [float(ms[n]) for n in names],
-            [float(es[n]) for n in names],
+            [ms[n] for n in names],
+            [es[n] for n in names],
             "o-" if d["right"] else "x--",
             color="C0" if d["right"] else "C3",
             alpha=0.6,

@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402
     ONLY_HELP,
     SCALE_COLUMNS,
     StoredRows,
+    check_stored,
     load,
     log_x_axis,
     log_y_axis,
@@ -254,32 +255,35 @@ def repredicted(study: str) -> list[dict]:
     return rows
 
 
+ROW_KEY = ("model", "split", "seq", "cp", "exchange")
+PREDICTED = ("predicted_arguments", "predicted_outputs", "predicted_temp")
+
+
+def _flat(r: dict) -> dict:
+    """A row's key and its predictions, as `check_stored` compares them."""
+    return {
+        **{k: r[k] for k in ROW_KEY},
+        **{f"predicted_{k}": v for k, v in r["predicted"].items()},
+    }
+
+
 def check() -> int:
     """0 when every study's stored predictions are today's count; else what moved."""
-    def counted(rows):
-        out: dict = {}
-        for r in rows:
-            out.setdefault(r["raw"]["point"], []).append(r["predicted"])
-        return out
-
     failed = 0
     for study in STUDIES:
-        fresh, stored = counted(repredicted(study)), counted(load(study)["rows"])
-        moved = [f"{label}: not predicted now" for label in stored if label not in fresh]
-        moved += [
-            f"{label} {k}: {a[k]:.6g} now, {b[k]:.6g} stored"
-            for label, now in fresh.items()
-            for a, b in zip(now, stored.get(label, []), strict=True)
-            for k in a
-            if abs(a[k] - b[k]) > 1e-9 * max(abs(a[k]), abs(b[k]), 1.0)
-        ]
-        if moved:
+        fresh = [_flat(r) for r in repredicted(study)]
+        if len(fresh) != len(load(study)["rows"]):  # a stored point no longer planned
+            print(f"bench.scale --check: {study}.json has rows no point of today predicts")
             failed = 1
-            print(f"bench.scale --check: stale {study}.json ({len(moved)} numbers): {moved[:3]}")
-        else:
-            print(f"bench.scale --check: {len(fresh)} rows agree with {study}.json (counts)")
-    if failed:
-        print("Re-run python -m bench.scale --repredict [--target T --into STUDY] to refresh.")
+        failed |= check_stored(
+            study,
+            fresh,
+            ROW_KEY,
+            PREDICTED,
+            rows_of=lambda payload: [_flat(r) for r in payload["rows"]],
+            module="scale",
+            rerun="python -m bench.scale --repredict [--target T --into STUDY]",
+        )
     return failed
 
 

@@ -212,23 +212,20 @@ def recount(study: str) -> dict:
 
 def check() -> int:
     """0 when both stacks' stored predictions are today's count."""
-    from bench.common import load
+    from bench.common import check_stored
 
-    moved = []
+    failed = 0
     for study in ("targets", "targets_jax012"):
-        fresh, stored = recount(study)["small"], load(study)["small"]
-        moved += [
-            f"{study} {a['platform']} {a['name']} {a['backend']}: "
-            f"{a['predicted_temp_mib']:.4g} MiB now, {b['predicted_temp_mib']:.4g} stored"
-            for a, b in zip(fresh, stored, strict=True)
-            if abs(a["predicted_temp_mib"] - b["predicted_temp_mib"]) > 1e-9
-        ]
-    if moved:
-        print("bench.targets --check: stale predictions: " + "; ".join(moved))
-        print("Re-run python -m bench.targets --repredict [--into targets_jax012].")
-        return 1
-    print("bench.targets --check: the small rows' predictions agree with both studies")
-    return 0
+        failed |= check_stored(
+            study,
+            recount(study)["small"],
+            ("platform", "name", "backend"),
+            ("predicted_temp_mib",),
+            rows_of=lambda payload: payload["small"],
+            module="targets",
+            rerun="python -m bench.targets --repredict [--into targets_jax012]",
+        )
+    return failed
 
 
 def small_rows() -> list[dict]:

@@ -406,8 +406,13 @@ def relayouts() -> tuple[float, float, list[dict]]:
                 rate = moved / max(seconds[dim] - seconds[0], 1e-9) / 1e9
                 rates[dim].append(rate)
                 rows.append(
-                    {"collective": kind, "shape": "x".join(map(str, full)), "dim": dim,
-                     "ms_more": (seconds[dim] - seconds[0]) * 1e3, "gbps": rate}
+                    {
+                        "collective": kind,
+                        "shape": "x".join(map(str, full)),
+                        "dim": dim,
+                        "ms_more": (seconds[dim] - seconds[0]) * 1e3,
+                        "gbps": rate,
+                    }
                 )
     return median(rates[1]), median(rates[2]), rows
 
