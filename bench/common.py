@@ -157,6 +157,7 @@ GMM_COLUMNS = [
     ("backend", "backend"),
     ("experts", "E"),
     ("routing", "routing"),
+    ("rows_computed", "rows computed"),
     ("vs_dense", "time / dense"),
     ("temp_vs_dense", "temp / dense"),
     ("temp_mib", "temp MiB"),
@@ -349,7 +350,10 @@ def check_stored(
             a, b = row[column], old[column]
             if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1.0):
                 diffs.append(f"{column} of {[row[k] for k in key]}: {a:.6g} now, {b:.6g} stored")
-    what = "counts" + (" and compiled bytes" if same_stack else "")
+    compared = (["counts"] if counted else []) + (
+        ["compiled bytes"] if same_stack and compiled else []
+    )
+    what = " and ".join(compared) or "nothing comparable on this stack: rows present only"
     if diffs:
         print(f"bench.{module} --check: stale {study}.json ({what}): " + "; ".join(diffs))
         print(f"Re-run {rerun or f'python -m bench.{module}'} to refresh it.")

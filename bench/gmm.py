@@ -4,9 +4,18 @@ matmul of the same work, on 16,384 routed rows, emb 512, hidden 1024, float32.
 Each point is timed in alternation with the dense matmul (bench.common.interleaved), so
 its ratio compares runs under the same load; the group sizes are a runtime argument,
 as in the block (closed-over sizes would be compile-time constants XLA can exploit).
-Ratios are of medians of `--runs` runs each.
+Ratios are of medians of `--runs` runs each. Each row also says how many rows the
+grouped matmul computes, tile padding included, as the selector counts them
+(`selector.tiles`: `tiled_gmm_rows`; ragged_dot on XLA:CPU computes every group on
+every row).
 
     python -m bench.gmm
+    python -m bench.gmm --check   # E=8, uniform, both backends compiled again, against gmm.json
+
+`--check` compiles its points again and compares what does not depend on the machine's
+load: the counted rows everywhere, the compiled temp where the JSON was written with the
+jax installed here. It does not time them: a time stored on one machine is not
+reproduced on another.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import numpy as np
 from bench.common import (
     GMM_COLUMNS,
     arguments,
+    check_stored,
     interleaved,
     log_x_axis,
     machine,
@@ -27,6 +37,7 @@ from bench.common import (
     table,
 )
 from layers.grouped_matmul import gmm
+from selector.tiles import tiled_gmm_rows
 
 ROWS, EMB, HIDDEN = 16384, 512, 1024
 
@@ -50,6 +61,53 @@ def fwd_bwd(matmul):
 
 def temp_bytes(fn, args) -> int:
     return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def counted_rows(backend: str, sizes: np.ndarray) -> int:
+    """Rows the grouped matmul computes as the selector counts them: tiled_gmm's tiles,
+    padding included; XLA:CPU's ragged_dot runs every group over every row."""
+    if backend == "ragged_dot":
+        return ROWS * len(sizes)
+    return tiled_gmm_rows(tuple(int(s) for s in sizes), ROWS)
+
+
+def inputs():
+    """(x, the dense matmul's fwd+bwd and its arguments, its temp bytes)."""
+    x = jax.random.normal(jax.random.key(0), (ROWS, EMB))
+    w_dense = jax.random.normal(jax.random.key(1), (EMB, HIDDEN)) * 0.02
+    one_group = jnp.asarray([ROWS], jnp.int32)
+    dense = (fwd_bwd(lambda x, w, gs: x @ w), (x, w_dense, one_group))
+    return x, dense, temp_bytes(*dense)
+
+
+def point(x, backend: str, experts: int, kind: str):
+    """(the grouped matmul's fwd+bwd and its arguments, its group sizes)."""
+    w = jax.random.normal(jax.random.key(2), (experts, EMB, HIDDEN)) * 0.02
+    sizes = group_sizes(kind, experts)
+    fn = fwd_bwd(lambda x, w, gs, b=backend: gmm(x, w, gs, b))
+    return (fn, (x, w, jnp.asarray(sizes))), sizes
+
+
+def compiled_row(x, dense_temp: int, backend: str, experts: int, kind: str):
+    """(a row's columns that do not depend on the machine's load, the point to time)."""
+    compiled, sizes = point(x, backend, experts, kind)
+    temp = temp_bytes(*compiled)
+    return {
+        "backend": backend,
+        "experts": experts,
+        "routing": kind,
+        "rows_computed": counted_rows(backend, sizes),
+        "temp_mib": temp / 2**20,
+        "temp_vs_dense": temp / dense_temp,
+    }, compiled
+
+
+def check() -> int:
+    """`--check`: E=8 uniform, both backends, compiled again against gmm.json."""
+    x, _, dense_temp = inputs()
+    fresh = [compiled_row(x, dense_temp, b, 8, "uniform")[0] for b in ("tiled_gmm", "ragged_dot")]
+    key = ("backend", "experts", "routing")
+    return check_stored("gmm", fresh, key, ("rows_computed",), ("temp_mib", "temp_vs_dense"))
 
 
 def plot(payload: dict):
@@ -79,39 +137,26 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    args = arguments("gmm", __doc__, plot, runs={"type": int, "default": 5})
+    check_flag = {"action": "store_true", "help": "E=8 compiled again, compared to gmm.json"}
+    args = arguments("gmm", __doc__, plot, runs={"type": int, "default": 5}, check=check_flag)
     if args is None:
         return
-    x = jax.random.normal(jax.random.key(0), (ROWS, EMB))
-    w_dense = jax.random.normal(jax.random.key(1), (EMB, HIDDEN)) * 0.02
-    one_group = jnp.asarray([ROWS], jnp.int32)
-    dense = (fwd_bwd(lambda x, w, gs: x @ w), (x, w_dense, one_group))
-    dense_temp = temp_bytes(*dense)
+    if args.check:
+        raise SystemExit(check())
+    x, dense, dense_temp = inputs()
     rows, dense_times = [], []
     for experts in (8, 32, 64):
-        w = jax.random.normal(jax.random.key(2), (experts, EMB, HIDDEN)) * 0.02
         for kind in ("uniform", "zipf", "all_to_one"):
-            gs = jnp.asarray(group_sizes(kind, experts))
             backends = ("tiled_gmm", "ragged_dot") if kind == "uniform" else ("tiled_gmm",)
             for backend in backends:
-                point = (fwd_bwd(lambda x, w, gs, b=backend: gmm(x, w, gs, b)), (x, w, gs))
-                times = interleaved({"point": point, "dense": dense}, args.runs)
+                row, timed = compiled_row(x, dense_temp, backend, experts, kind)
+                times = interleaved({"point": timed, "dense": dense}, args.runs)
                 t, base = median(times["point"]), median(times["dense"])
                 dense_times += times["dense"]
-                temp = temp_bytes(*point)
-                rows.append(
-                    {
-                        "backend": backend,
-                        "experts": experts,
-                        "routing": kind,
-                        "median_s": t,
-                        "times_s": times["point"],
-                        "dense_median_s": base,
-                        "vs_dense": t / base,
-                        "temp_mib": temp / 2**20,
-                        "temp_vs_dense": temp / dense_temp,
-                    }
+                row.update(
+                    median_s=t, times_s=times["point"], dense_median_s=base, vs_dense=t / base
                 )
+                rows.append(row)
                 print(
                     f"  E={experts:<3} {kind:<10} {backend:<10} {t:7.3f} s "
                     f"({t / base:.2f}x the dense matmul timed beside it)",

@@ -8,6 +8,12 @@ with sub_seq^2 and dense does E/k times the work, so points where one would run 
 minutes are skipped and marked so.
 
     python -m bench.speed            # add --quick for one E and fewer runs
+    python -m bench.speed --check    # E=8, seq 1024 compiled again, against speed.json
+
+`--check` compiles each strategy's block at E=8, sequence 1024 again and compares what
+does not depend on the machine's load: the grouped matmul the plan picks, everywhere;
+the compiled temp where the JSON was written with the jax installed here. It does not
+time them: a time stored on one machine is not reproduced on another.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from bench.common import (
     SPEED_COLUMNS,
     arguments,
     block_overrides,
+    check_stored,
     interleaved,
     log_x_axis,
     machine,
@@ -35,6 +42,7 @@ from layers.programs import block_forward, fwd_bwd_loss
 TOKENS, EMB, HIDDEN, TOP_K, CAPACITY_FACTOR = 8192, 512, 1024, 8, 1.25
 MASK_LIMIT = 2.2e8  # elements of the (T, E, C) dispatch mask beyond which we skip
 DENSE_LIMIT = 2  # skip dense when it does more than this many times the routed work
+STRATEGIES = ("megablox", "subgroup_capacity", "dense")
 
 
 def mlp_step():
@@ -84,6 +92,30 @@ def skip_reason(strategy: str, experts: int, seq: int) -> str | None:
     return None
 
 
+def compiled_row(strategy: str, experts: int, seq: int, mlp_temp: int):
+    """(a row's columns that do not depend on the machine's load, the block to time)."""
+    fn, fargs, temp, backend = block_step(strategy, experts, seq)
+    row = {
+        "strategy": strategy,
+        "experts": experts,
+        "seq": seq,
+        "temp_mib": temp / 2**20,
+        "mem_vs_mlp": temp / mlp_temp,
+        "note": f"gmm: {backend}" if strategy == "megablox" else "",
+    }
+    return row, (fn, fargs)
+
+
+def check() -> int:
+    """`--check`: every strategy at E=8, sequence 1024, compiled again against speed.json.
+    The note (the grouped matmul the plan picks) is part of the key, so a changed pick
+    finds no stored row."""
+    *_, mlp_temp = mlp_step()
+    fresh = [compiled_row(s, 8, 1024, mlp_temp)[0] for s in STRATEGIES]
+    key = ("strategy", "experts", "seq", "note")
+    return check_stored("speed", fresh, key, (), ("temp_mib", "mem_vs_mlp"))
+
+
 def plot(payload: dict):
     rows = payload["rows"]
     plt = pyplot()
@@ -131,34 +163,28 @@ def plot(payload: dict):
 
 def main() -> None:
     quick = {"action": "store_true", "help": "E=64, seq 8192, 3 runs"}
-    args = arguments("speed", __doc__, plot, quick=quick)
+    check_flag = {"action": "store_true", "help": "E=8 compiled again, compared to speed.json"}
+    args = arguments("speed", __doc__, plot, quick=quick, check=check_flag)
     if args is None:
         return
+    if args.check:
+        raise SystemExit(check())
     runs = 3 if args.quick else 5
     grid = [(64, 8192)] if args.quick else [(e, s) for e in (8, 64, 128) for s in (1024, 8192)]
 
     mlp_fn, mlp_args, mlp_temp = mlp_step()
     rows, all_mlp = [], []
     for experts, seq in grid:
-        for strategy in ("megablox", "subgroup_capacity", "dense"):
-            row = {"strategy": strategy, "experts": experts, "seq": seq}
+        for strategy in STRATEGIES:
             reason = skip_reason(strategy, experts, seq)
             if reason:
-                row["note"] = reason
+                row = {"strategy": strategy, "experts": experts, "seq": seq, "note": reason}
             else:
-                fn, fargs, temp, backend = block_step(strategy, experts, seq)
-                times = interleaved({"block": (fn, fargs), "mlp": (mlp_fn, mlp_args)}, runs)
+                row, block = compiled_row(strategy, experts, seq, mlp_temp)
+                times = interleaved({"block": block, "mlp": (mlp_fn, mlp_args)}, runs)
                 t, base = median(times["block"]), median(times["mlp"])
                 all_mlp += times["mlp"]
-                row.update(
-                    median_s=t,
-                    times_s=times["block"],
-                    mlp_median_s=base,
-                    vs_mlp=t / base,
-                    temp_mib=temp / 2**20,
-                    mem_vs_mlp=temp / mlp_temp,
-                    note=f"gmm: {backend}" if strategy == "megablox" else "",
-                )
+                row.update(median_s=t, times_s=times["block"], mlp_median_s=base, vs_mlp=t / base)
             rows.append(row)
             print(
                 f"  E={experts:<4} seq={seq:<5} {strategy:<18} "

@@ -267,11 +267,11 @@ def _knob_of(cfg: Config, axis: str) -> str:
     return f"ici_{axis}_parallelism"
 
 
-# MaxText's decode axis. Where this was read: MaxText 0.2.5's layers/moe.py splits its
-# inference routing by this axis's size, and issue 18's outside tester describes it as
-# the axis that shards the KV cache at decode; base.yml's logical rules name it in no
-# cache rule (read, not run). The MoE block sees one new token per sequence, so on it
-# this axis can only repeat the token or, by the axis rules, split the batch.
+# MaxText's decode axis: MaxText 0.2.5's layers/moe.py splits its inference routing by
+# this axis's size, and it is described as the axis that shards the KV cache at decode;
+# base.yml's logical rules name it in no cache rule (read, not run). The MoE block sees
+# one new token per sequence, so on it this axis can only repeat the token or, by the
+# axis rules, split the batch.
 DECODE_AXIS = "context_autoregressive"
 
 

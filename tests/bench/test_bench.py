@@ -26,7 +26,7 @@ def _check(study: str, devices: int) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("study", ["memory", "train_memory"])
+@pytest.mark.parametrize("study", ["memory", "train_memory", "speed", "gmm"])
 def test_benchmark_check_agrees_with_its_stored_json(study):
     assert "agree with" in _check(study, 8)
 
@@ -62,6 +62,8 @@ def test_the_readme_memory_table_is_read_from_memory_json():
     [
         ("memory", "docs/results/memory.md", "MEMORY_COLUMNS"),
         ("train_memory", "docs/results/train-memory.md", "TRAIN_COLUMNS"),
+        ("speed", "docs/results/speed.md", "SPEED_COLUMNS"),
+        ("gmm", "docs/results/gmm.md", "GMM_COLUMNS"),
     ],
 )
 def test_a_results_page_quotes_its_stored_json(study, page, columns):

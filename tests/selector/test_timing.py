@@ -137,9 +137,9 @@ def test_the_relayout_trait_is_what_the_compiled_program_does(hardware):
     layout exactly where `Traits.gather_relayouts` says. Each matrix is 32 MiB, past
     the size under which XLA:GPU combines the three gathers into one (as real models'
     matrices are)."""
-    from checks.compiled import compile_plan
     from hlo import relaid_gathers
 
+    from checks.compiled import compile_plan
     from selector.traits import jax_release, traits
 
     chip = [] if hardware == "cpu" else [f"hardware={hardware}"]
