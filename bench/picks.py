@@ -6,8 +6,12 @@ Each config's candidates are every placement the layers can run: megablox with t
 weights gathered, megablox exchanged over each expert group the config allows (the
 expert axes; plus the sequence axes; plus fsdp), and dense where E / k <= 16 (beyond
 that dense does E / k times the routed work and is not timed). Each is compiled once,
-then one step of each is timed per round, in rotating order, for ROUNDS rounds
-(`checks.measured.interleaved`), medians kept. The timings depend on the layers only, not
+then one step of each is timed per round, in rotating order, for ROUNDS rounds, each
+timed step after an untimed step of the same candidate (SETTLE), medians kept
+(`checks.measured.interleaved`). The untimed step is there because a step's time
+depends on the program that ran before it: a gathered block timed right after a dense
+one ran 37% slower than after itself (docs/results/picks.md). Timings taken before
+2026-12-05 had 9 rounds and no settling step. The timings depend on the layers only, not
 on the selector, so they are stored once (`--time`) and the selector is scored on them
 whenever its model changes (`--score`, the default): its pick under `auto`, the measured
 fastest, the regret (the pick's median over the fastest's), whether the two are within
@@ -18,7 +22,7 @@ config's candidates.
 The set was written and timed before the counted time model replaced the fitted one
 (see docs/results/picks.md); it is never read for terms or tuned against.
 
-    python -m bench.picks --time     # time every config (about 30 minutes on 2 cores)
+    python -m bench.picks --time     # time every config (about 35 minutes on 2 cores)
     python -m bench.picks            # score today's selector on the stored timings
     python -m bench.picks --check    # score, and fail unless the picks meet the bar
 """
@@ -36,7 +40,8 @@ if __name__ == "__main__" and TIMING:
 
 from bench.common import arguments, load, median, pyplot, save, table  # noqa: E402
 
-ROUNDS = 9
+ROUNDS = 5
+SETTLE = 1  # untimed steps of the same candidate before each timed one
 STUDY = "picks_cpu"
 DENSE_MAX_RATIO = 16  # dense is timed where E / k is at most this
 
@@ -195,7 +200,7 @@ def time_point(point) -> dict:
     config = config_of(point)
     forced = variants(config)
     fns = {name: _step(c, c.dispatch, c.expert_exchange) for name, c in forced.items()}
-    times = interleaved(fns, ROUNDS)
+    times = interleaved(fns, ROUNDS, settle=SETTLE)
     return {"label": label(point), "times_s": times}
 
 
@@ -311,6 +316,34 @@ def summary(decisions: list[dict]) -> dict:
     }
 
 
+def reproduced(earlier: list[dict], rows: list[dict]) -> dict:
+    """How two timing runs of the same configs agree: in how many the measured fastest
+    is the same candidate, and each other candidate's time relative to its config's
+    fastest in the new run over the same in the earlier one (median, least, most), so a
+    machine slower overall does not count as a change."""
+    before = {r["label"]: {n: median(t) for n, t in r["times_s"].items()} for r in earlier}
+    same, ratios = 0, []
+    for row in rows:
+        now = {n: median(t) for n, t in row["times_s"].items()}
+        then = before.get(row["label"])
+        if then is None:
+            continue
+        first = min(now, key=now.get), min(then, key=then.get)
+        same += first[0] == first[1]
+        lo_now, lo_then = now[first[0]], then[first[1]]
+        ratios += [
+            (now[n] / lo_now) / (then[n] / lo_then)
+            for n in now
+            if n in then and not n == first[0] == first[1]
+        ]
+    ratios = ratios or [1.0]
+    compared = sum(r["label"] in before for r in rows)
+    return {
+        "same_fastest": f"{same} of {compared}",
+        "relative_time_ratio": [median(ratios), min(ratios), max(ratios)],
+    }
+
+
 COLUMNS = [
     ("config", "config"),
     ("pick", "selector's pick"),
@@ -376,7 +409,16 @@ def main() -> int:
             rows.append(time_point(point))
             said = ", ".join(f"{n} {median(t) * 1e3:.3g}" for n, t in rows[-1]["times_s"].items())
             print(f"[{i + 1}/{len(points)}] {rows[-1]['label']}: {said} ms", flush=True)
-        payload = {"rounds": ROUNDS, "machine": machine(), "rows": rows}
+        stored = load(study)
+        payload = {"rounds": ROUNDS, "settle": SETTLE, "machine": machine(), "rows": rows}
+        # What earlier runs and models scored stays; the earlier timings are scored by
+        # today's model and compared with the new ones.
+        payload.update({k: stored[k] for k in ("baseline", "earlier") if k in stored})
+        payload["earlier_timings"] = {
+            "machine": stored.get("machine"),
+            "summary": summary(score(stored["rows"])),
+            "reproduced": reproduced(stored["rows"], rows),
+        }
     else:
         payload = load(study)
     payload["decisions"] = score(payload["rows"])

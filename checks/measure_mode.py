@@ -3,8 +3,9 @@ the configured shape, and a choice that follows the measured medians.
 
 The estimate's time is a model; a user with devices can ask for the answer. The chosen
 candidate and the others that fit (up to `MAX_TIMED`, fastest estimated first) are
-compiled and run interleaved, round after round (one step of each per round, so a
-noisy machine slows them alike), and the fastest median among those that fit wins.
+compiled and run interleaved, round after round (one timed step of each per round, so
+a noisy machine slows them alike, each after an untimed step of the same candidate),
+and the fastest median among those that fit wins.
 `measure_save=PATH` writes what was timed beside what was counted (JSON); the counted
 model never reads it back: its constants are the machine's (`python -m bench.calibration.machine`).
 

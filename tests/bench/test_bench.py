@@ -174,6 +174,30 @@ def test_the_picks_studies_are_scored_by_todays_count(study):
     assert count_error(decisions) == stored["estimate_over_measured"]
 
 
+def test_two_timing_runs_are_compared_by_their_fastest_and_relative_times():
+    """`reproduced` says in how many configs two runs measured the same fastest, and how
+    each other candidate's time relative to its config's fastest moved: a machine twice
+    as slow overall moves nothing, a flipped order is counted."""
+    from bench.picks import reproduced
+
+    earlier = [
+        {"label": "a", "times_s": {"x": [1.0], "y": [2.0]}},
+        {"label": "b", "times_s": {"x": [1.0], "y": [1.5]}},
+    ]
+    slower = [
+        {"label": r["label"], "times_s": {n: [2 * t[0]] for n, t in r["times_s"].items()}}
+        for r in earlier
+    ]
+    assert reproduced(earlier, slower) == {
+        "same_fastest": "2 of 2",
+        "relative_time_ratio": [1.0, 1.0, 1.0],
+    }
+    flipped = [earlier[0], {"label": "b", "times_s": {"x": [1.5], "y": [1.0]}}]
+    got = reproduced(earlier, flipped)
+    assert got["same_fastest"] == "1 of 2"
+    assert got["relative_time_ratio"][2] == 1.5  # x: 1.5 over the fastest, was 1
+
+
 def test_the_targets_page_quotes_todays_count_of_its_compiles():
     """Both stacks' small-block tables are on the page as their JSON gives them, and the
     JSON's predictions are today's count (`bench.targets --check`)."""

@@ -93,3 +93,31 @@ def test_measure_from_the_command_line(jax_cpu8, capsys):
     assert main([*SMALL, "measure=true", "measure_rounds=1"]) == 0
     out = capsys.readouterr().out
     assert "Timed on 8 cpu devices" in out and "median ms" in out
+
+
+def test_each_timed_step_follows_a_step_of_the_same_program(monkeypatch):
+    """A step's time depends on the program before it (a gathered block ran 37% slower
+    after a dense one than after itself, docs/results/picks.md). With settle=1 every
+    timed step follows an untimed step of the same call; without it, a timed step
+    mostly follows another's. A fake clock charges 10 after another program, 1 after
+    the same one."""
+    import jax.numpy as jnp
+
+    from checks import measured
+
+    clock, last = [0.0], [None]
+
+    def program(name):
+        def run():
+            clock[0] += 1.0 if last[0] == name else 10.0
+            last[0] = name
+            return jnp.zeros(())
+
+        return run, ()
+
+    monkeypatch.setattr(measured.time, "perf_counter", lambda: clock[0])
+    fns = {n: program(n) for n in "abc"}
+    settled = measured.interleaved(fns, runs=4, settle=1)
+    assert settled == {n: [1.0] * 4 for n in "abc"}
+    unsettled = measured.interleaved(fns, runs=4)
+    assert sum(t == 10.0 for ts in unsettled.values() for t in ts) >= 9
