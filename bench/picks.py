@@ -201,7 +201,9 @@ def time_point(point) -> dict:
     forced = variants(config)
     fns = {name: _step(c, c.dispatch, c.expert_exchange) for name, c in forced.items()}
     times = interleaved(fns, ROUNDS, settle=SETTLE)
-    return {"label": label(point), "times_s": times}
+    # In the order the stored JSON holds them (sorted keys), so the decisions scored
+    # right after timing are the ones a reload scores.
+    return {"label": label(point), "times_s": dict(sorted(times.items()))}
 
 
 def estimated(point) -> dict[str, float]:
@@ -322,12 +324,13 @@ def reproduced(earlier: list[dict], rows: list[dict]) -> dict:
     fastest in the new run over the same in the earlier one (median, least, most), so a
     machine slower overall does not count as a change."""
     before = {r["label"]: {n: median(t) for n, t in r["times_s"].items()} for r in earlier}
-    same, ratios = 0, []
+    same, compared, ratios = 0, 0, []
     for row in rows:
         now = {n: median(t) for n, t in row["times_s"].items()}
         then = before.get(row["label"])
         if then is None:
             continue
+        compared += 1
         first = min(now, key=now.get), min(then, key=then.get)
         same += first[0] == first[1]
         lo_now, lo_then = now[first[0]], then[first[1]]
@@ -337,7 +340,6 @@ def reproduced(earlier: list[dict], rows: list[dict]) -> dict:
             if n in then and not n == first[0] == first[1]
         ]
     ratios = ratios or [1.0]
-    compared = sum(r["label"] in before for r in rows)
     return {
         "same_fastest": f"{same} of {compared}",
         "relative_time_ratio": [median(ratios), min(ratios), max(ratios)],
