@@ -17,7 +17,10 @@ single op, so the cost of calling a program drops out:
   place; per trip. The FLOP rate a device sustains against a dot's MFLOPs, sorted by
   size (the count looks up each dot's rate there, log-log between points);
 - gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
-  8 experts of full tiles of 32 to 512 rows, K x N 64 x 128 to 640 x 1,280), per visit;
+  8 experts of full tiles of each class it visits, 64 to 512 rows, K x N 64 x 128 to
+  640 x 1,280), per visit, credited with the FLOPs of the tiles its plan visits
+  (`selector.tiles.tiled_gmm_visits`): an expert of fewer rows than the smallest class
+  runs a whole tile of that class;
 - einsum_curve: the dense and capacity paths' batched einsum "tm,emh->teh";
 - hbm_bandwidth_gbps: a chain of 8 elementwise multiply-adds over 4M floats (bytes read
   and written);
@@ -198,7 +201,9 @@ def matmul_curve(rows_list=MATMUL_ROWS, kn_list=MATMUL_KN, dtype="float32") -> l
     return sorted(out, key=lambda r: r["mflops"])
 
 
-GMM_TILES = (32, 64, 256, 512)
+# Tile classes tiled_gmm visits (selector.tiles.TILED_GMM_TILE_ROWS); an expert of 32
+# rows among 8 runs a 64-row tail tile, so a 32-row point would time a 64-row visit.
+GMM_TILES = (64, 128, 256, 512)
 GMM_KN = ((64, 128), (192, 384), (640, 1280))
 GMM_EXPERTS = 8
 
@@ -227,6 +232,17 @@ def _gmm_passes(tile: int, e: int, k: int, n: int):
     )
 
 
+def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
+    """(rows of the tile tiled_gmm visits, visits) for `experts` experts of `tile` rows
+    each: the tile plan the count walks, so a point is credited with what the kernel ran."""
+    from selector.tiles import tiled_gmm_visits
+
+    tiles = tiled_gmm_visits([tile] * experts, tile * experts).tiles
+    if len(tiles) != 1:
+        raise ValueError(f"{experts} experts of {tile} rows visit tiles of several sizes: {tiles}")
+    return tiles[0]
+
+
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
     GMM_EXPERTS experts of exactly `tile` rows each (full tiles, one visit an expert),
@@ -236,15 +252,15 @@ def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     out = []
     for tile in tiles:
         for k, n in kn_list:
-            e = GMM_EXPERTS
+            visited, visits = gmm_visits(tile)
             seconds = [
-                max(_timed(*_flat(_program(body, *shapes, dtype=dtype))) - called, 1e-9) / e
-                for body, *shapes in _gmm_passes(tile, e, k, n)
+                max(_timed(*_flat(_program(body, *shapes, dtype=dtype))) - called, 1e-9) / visits
+                for body, *shapes in _gmm_passes(tile, GMM_EXPERTS, k, n)
             ]
-            flops = 2 * tile * k * n
+            flops = 2 * visited * k * n
             out.append(
                 {
-                    "shape": f"{tile}x{k}x{n}",
+                    "shape": f"{visited}x{k}x{n}",
                     "mflops": flops / 1e6,
                     "tflops": flops / median(seconds) / 1e12,
                 }
@@ -524,6 +540,10 @@ def main() -> int:
             "action": "store_true",
             "help": "measure only the relayout and transpose rates, into the stored study",
         },
+        gmm={
+            "action": "store_true",
+            "help": "measure only the gmm curve, into the stored study",
+        },
     )
     if args is None:
         return 0
@@ -532,6 +552,10 @@ def main() -> int:
         relayout, transpose, payload["relayouts"] = relayouts()
         payload["constants"].update(relayout_gbps=relayout, transpose_gbps=transpose)
         payload["relayouts_machine"] = machine()
+    elif args.gmm:
+        payload = load(STUDY)
+        payload["gmm_curve"] = gmm_curve()
+        payload["gmm_machine"] = machine()
     else:
         payload = measure()
     print(

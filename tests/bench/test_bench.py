@@ -208,3 +208,15 @@ def test_the_targets_page_quotes_todays_count_of_its_compiles():
     for study in ("targets", "targets_jax012"):
         assert common.table(common.load(study)["small"], COLUMNS) in page, study
     assert check() == 0
+
+
+def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
+    """Each point of the CPU gmm curve times the tile it names: eight experts of a
+    class's rows visit eight tiles of that class. An expert of 32 rows among eight
+    runs a 64-row tail tile, so a 32-row point credited with 32 rows halves the rate
+    of the 64-row visit it timed."""
+    from bench.calibration.machine import GMM_EXPERTS, GMM_TILES, gmm_visits
+
+    assert gmm_visits(32) == (64, GMM_EXPERTS)
+    for tile in GMM_TILES:
+        assert gmm_visits(tile) == (tile, GMM_EXPERTS)
