@@ -17,10 +17,10 @@ single op, so the cost of calling a program drops out:
   place; per trip. The FLOP rate a device sustains against a dot's MFLOPs, sorted by
   size (the count looks up each dot's rate there, log-log between points);
 - gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
-  8 experts of full tiles of each class it visits, 64 to 512 rows, K x N 64 x 128 to
-  640 x 1,280), per visit, credited with the FLOPs of the tiles its plan visits
-  (`selector.tiles.tiled_gmm_visits`): an expert of fewer rows than the smallest class
-  runs a whole tile of that class;
+  8 experts of one tile each, tiles of 32 to 512 rows (32: an array under 64 rows, each
+  expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
+  credited with the FLOPs of the tiles its plan visits
+  (`selector.tiles.tiled_gmm_visits`);
 - einsum_curve: the dense and capacity paths' batched einsum "tm,emh->teh";
 - hbm_bandwidth_gbps: a chain of 8 elementwise multiply-adds over 4M floats (bytes read
   and written);
@@ -201,20 +201,36 @@ def matmul_curve(rows_list=MATMUL_ROWS, kn_list=MATMUL_KN, dtype="float32") -> l
     return sorted(out, key=lambda r: r["mflops"])
 
 
-# Tile classes tiled_gmm visits (selector.tiles.TILED_GMM_TILE_ROWS); an expert of 32
-# rows among 8 runs a 64-row tail tile, so a 32-row point would time a 64-row visit.
-GMM_TILES = (64, 128, 256, 512)
+# Tiles tiled_gmm visits: its classes (selector.tiles.TILED_GMM_TILE_ROWS), and 32 rows,
+# the tile of an array under 64 rows (an exchange's small slot buffers).
+GMM_TILES = (32, 64, 128, 256, 512)
 GMM_KN = ((64, 128), (192, 384), (640, 1280))
 GMM_EXPERTS = 8
 
 
+def gmm_layout(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
+    """(rows an expert, rows of the array) of a point whose experts each take one tile
+    of `tile` rows. From the smallest class up, each expert holds a full tile; below it
+    (an array under 64 rows has one class, a power of two under its rows) the array is
+    one tile's rows and each expert's few rows are a masked tail tile, as in an
+    exchange slot of fewer than 64 rows. (Eight experts of 32 rows on a 256-row array
+    would each run a 64-row tail tile instead.)"""
+    from selector.tiles import TILED_GMM_TILE_ROWS
+
+    if tile >= min(TILED_GMM_TILE_ROWS):
+        return tile, tile * experts
+    return max(tile // experts, 1), tile
+
+
 def _gmm_passes(tile: int, e: int, k: int, n: int):
-    """(body, shapes...) of tiled_gmm's three passes over `e` experts of `tile` rows."""
+    """(body, shapes...) of tiled_gmm's three passes over `e` experts laid out by
+    `gmm_layout(tile, e)`."""
     import jax.numpy as jnp
 
     from layers.grouped_matmul import tiled_forward, tiled_input_grad, tiled_weight_grad
 
-    rows, sizes = tile * e, jnp.full((e,), tile, jnp.int32)
+    each, rows = gmm_layout(tile, e)
+    sizes = jnp.full((e,), each, jnp.int32)
 
     def forward(x, w):
         return tiled_forward(x, (w.reshape(e, k, n),), sizes)[0]
@@ -233,20 +249,20 @@ def _gmm_passes(tile: int, e: int, k: int, n: int):
 
 
 def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
-    """(rows of the tile tiled_gmm visits, visits) for `experts` experts of `tile` rows
-    each: the tile plan the count walks, so a point is credited with what the kernel ran."""
+    """(rows of the tile tiled_gmm visits, visits) at the point `gmm_layout(tile)` lays
+    out: the tile plan the count walks, so a point is credited with what the kernel ran."""
     from selector.tiles import tiled_gmm_visits
 
-    tiles = tiled_gmm_visits([tile] * experts, tile * experts).tiles
+    each, rows = gmm_layout(tile, experts)
+    tiles = tiled_gmm_visits([each] * experts, rows).tiles
     if len(tiles) != 1:
-        raise ValueError(f"{experts} experts of {tile} rows visit tiles of several sizes: {tiles}")
+        raise ValueError(f"{experts} experts of {each} rows visit tiles of several sizes: {tiles}")
     return tiles[0]
 
 
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
-    GMM_EXPERTS experts of exactly `tile` rows each (full tiles, one visit an expert),
-    its forward with one weight, its input gradient and its weight gradient, each
+    GMM_EXPERTS experts of one tile each (`gmm_layout`: one visit an expert), its forward with one weight, its input gradient and its weight gradient, each
     timed alone; per visit, the mean of the three less a call."""
     called = call()
     out = []
@@ -544,6 +560,11 @@ def main() -> int:
             "action": "store_true",
             "help": "measure only the gmm curve, into the stored study",
         },
+        gmm_tiles={
+            "type": lambda text: tuple(int(t) for t in text.split(",")),
+            "default": GMM_TILES,
+            "help": "with --gmm: only these tiles (e.g. 32), their points replacing the stored ones",
+        },
     )
     if args is None:
         return 0
@@ -554,8 +575,16 @@ def main() -> int:
         payload["relayouts_machine"] = machine()
     elif args.gmm:
         payload = load(STUDY)
-        payload["gmm_curve"] = gmm_curve()
-        payload["gmm_machine"] = machine()
+        fresh = gmm_curve(args.gmm_tiles)
+        named = {p["shape"] for p in fresh}
+        kept = [p for p in payload["gmm_curve"] if p["shape"] not in named]
+        payload["gmm_curve"] = sorted(kept + fresh, key=lambda r: r["mflops"])
+        if set(args.gmm_tiles) >= set(GMM_TILES):
+            payload["gmm_machine"] = machine()
+        else:  # the points measured apart from the rest of the curve
+            payload.setdefault("gmm_runs", []).append(
+                {"tiles": list(args.gmm_tiles), "machine": machine()}
+            )
     else:
         payload = measure()
     print(

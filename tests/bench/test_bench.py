@@ -211,12 +211,15 @@ def test_the_targets_page_quotes_todays_count_of_its_compiles():
 
 
 def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
-    """Each point of the CPU gmm curve times the tile it names: eight experts of a
-    class's rows visit eight tiles of that class. An expert of 32 rows among eight
-    runs a 64-row tail tile, so a 32-row point credited with 32 rows halves the rate
-    of the 64-row visit it timed."""
+    """Each point of the CPU gmm curve times the tile it names: eight experts visit
+    eight tiles of that size, 32 rows (an array under 64 rows) included. Eight experts
+    of 32 rows on a 256-row array run 64-row tail tiles, so a 32-row point laid out that
+    way, credited with 32 rows, halves the rate of the visits it timed."""
     from bench.calibration.machine import GMM_EXPERTS, GMM_TILES, gmm_visits
 
-    assert gmm_visits(32) == (64, GMM_EXPERTS)
+    from selector.tiles import tiled_gmm_visits
+
+    assert tiled_gmm_visits([32] * 8, 256).tiles == ((64, 8),)
+    assert 32 in GMM_TILES
     for tile in GMM_TILES:
         assert gmm_visits(tile) == (tile, GMM_EXPERTS)
