@@ -20,8 +20,7 @@ def use_cpu_devices(n: int = 8) -> None:
     """Simulated CPU devices; must run before jax is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("use_cpu_devices must run before jax is imported")
-    from selector.jax_start import quiet_jax_start
-    from selector.targets import prepare_process  # jax-free
+    from checks.jax_start import prepare_process, quiet_jax_start  # jax-free
 
     prepare_process("cpu", n)
     quiet_jax_start()  # no compiler-plugin start-up noise on a machine without accelerators

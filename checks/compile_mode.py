@@ -11,7 +11,7 @@ estimate wrongly ruled out can win and one it wrongly admitted cannot.
 
 The selector calls `check` through the `moe_cp.checks` entry point (`compile`). The
 logic here is pure; compiling needs jax and the layers, imported only when the check
-runs, after `targets.prepare_process` (`compile_fn` defaults to
+runs, after `checks.jax_start.prepare_process` (`compile_fn` defaults to
 `checks.compiled.compile_candidate` on the plan's candidates). XLA:GPU does
 not refuse a program larger than the GPU, so the comparison with the chip is ours.
 """
@@ -22,13 +22,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from selector import targets
 from selector.checked import CompileCheck, CompiledCandidate, Key, StepCompiled
 from selector.config import Config, Dispatch, Exchange, Mode
 from selector.cost import Estimate, Memory, Verdict, with_memory
 from selector.findings import Finding, error, errors_in, warning
 from selector.plan import Candidate, DispatchPlan, analyse
 from selector.policy import choose
+
+from .jax_start import prepare_process
 
 GIB = 2**30
 
@@ -84,7 +85,7 @@ def check(
     if plan is None or blocking:  # compile what could run; an estimate's misfit may not
         return plan, findings, None
     if compile_fn is None:
-        targets.prepare_process(config.hardware.platform, plan.mesh.num_devices)
+        prepare_process(config.hardware.platform, plan.mesh.num_devices)
         compile_fn = _compile_from(plan, say)
     estimates: dict[Key, Estimate] = {(c.strategy, c.exchange): c.estimate for c in plan.candidates}
     first: Key = (plan.strategy, plan.placement.exchange)

@@ -201,7 +201,10 @@ def findings_of(step: MaxTextStep, config: Config, estimate_bytes: float | None)
 
 
 def available() -> bool:
-    return importlib.util.find_spec("maxtext") is not None
+    """MaxText is importable: a package with an origin (a folder named maxtext on the
+    path, such as this project's tests/selector/maxtext, is a namespace package)."""
+    spec = importlib.util.find_spec("maxtext")
+    return spec is not None and spec.origin is not None
 
 
 def check(

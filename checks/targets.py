@@ -13,7 +13,7 @@ import jax
 from jax._src import xla_bridge  # backends_are_initialized has no public spelling
 from jax.experimental import topologies
 
-from selector.targets import EXTRA, TPU_CHIPS, Target, TargetUnavailable, gpu_target_config, torus
+from selector.targets import EXTRA, TPU_CHIPS, Target, TargetUnavailable, gpu_facts, torus
 
 
 def devices(target: Target) -> list:
@@ -83,4 +83,60 @@ def _unavailable(target: Target, exc: Exception) -> TargetUnavailable:
             if target.platform == "gpu"
             else "."
         )
+    )
+
+
+def gpu_target_config(chip: str) -> str:
+    """XLA's GpuTargetConfigProto for `chip`, in protobuf text form, written from the
+    figures in `selector/targets_data/gpu.json` (`selector.targets.gpu_facts`).
+
+    Args:
+      chip: a GPU the package describes ("h100", "h200").
+
+    Returns:
+      The proto's text, for `jax.experimental.topologies.get_topology_desc`.
+
+    Example:
+      >>> from checks.targets import gpu_target_config
+      >>> 'name: "NVIDIA H200 141GB HBM3e"' in gpu_target_config("h200")
+      True
+    """
+    f = gpu_facts()[chip]
+
+    def rates(name, rows):
+        body = "".join(
+            f"    rate_infos {{ key: {k} value {{ clock_rate_ghz: {clock} "
+            f"units_per_core: {units} ops_per_clock: {ops} }} }}\n"
+            for k, clock, units, ops in rows
+        )
+        return f"  {name} {{\n{body}  }}\n"
+
+    major, minor = f["compute_capability"]
+    bx, by, bz = f["block_dim_limit"]
+    tx, ty, tz = f["thread_dim_limit"]
+    scalars = (
+        "threads_per_block_limit threads_per_warp shared_memory_per_block "
+        "shared_memory_per_core threads_per_core_limit core_count fpus_per_core "
+        "memory_bandwidth l2_cache_size clock_rate_ghz device_memory_size "
+        "shared_memory_per_block_optin registers_per_core_limit registers_per_block_limit "
+        "device_address_bits pcie_bandwidth"
+    ).split()
+    lines = "".join(f"  {k}: {f[k]}\n" for k in scalars)
+    dnn = f["dnn_version"]
+    return (
+        "gpu_device_info {\n"
+        + lines
+        + f"  block_dim_limit_x: {bx}\n  block_dim_limit_y: {by}\n  block_dim_limit_z: {bz}\n"
+        + f"  thread_dim_limit_x: {tx}\n  thread_dim_limit_y: {ty}\n  thread_dim_limit_z: {tz}\n"
+        + f"  cuda_compute_capability {{ major: {major} minor: {minor}"
+        + " feature_extension: ACCELERATED_FEATURES }\n"
+        + rates("scalar_unit_description", f["scalar_rates"])
+        + rates("matrix_unit_description", f["matrix_rates"])
+        + '  device_vendor: "NVIDIA Corporation"\n'
+        + f'  name: "{f["name"]}"\n'
+        + f"  device_interconnect_info {{ active_links: {f['nvlink_active_links']} }}\n"
+        + "}\n"
+        + 'platform_name: "CUDA"\n'
+        + f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n"
+        + f'device_description_str: "{f["name"]}"\n'
     )

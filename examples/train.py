@@ -32,9 +32,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 import selector
+from checks.jax_start import quiet_jax_start
 from selector.compose import schema_node
 from selector.config import Config
-from selector.jax_start import quiet_jax_start
 from selector.report import render_text
 
 

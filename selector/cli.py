@@ -28,7 +28,6 @@ from .api import analyse_any
 from .compose import compose, override_error, override_key, to_config
 from .config import Exchange, ExpertGroup, OutputFormat
 from .findings import ConfigError, errors_in, shown
-from .jax_start import quiet_jax_start
 from .layout_search import exit_code, render_search, search
 from .maxtext import MaxTextError, analyse_on_route, from_maxtext
 from .plan import analyse
@@ -210,14 +209,10 @@ def analysed(config):
     `compile=true`, timed ones when `measure=true`. A compiler plugin that is missing is
     unusable input (exit 2, naming the extra), and so is a run that fails."""
     if config.measure or config.compile:
-        quiet_jax_start()  # before the modes start jax (and its compiler plugins)
+        # Before the modes start jax: a quiet start, and simulated devices to time on CPU.
+        flag = "measure" if config.measure else "compile"
+        _or_usage(flag, "set up jax", lambda: check_mode("start")(config))
     if config.measure:
-        from .mesh import build_mesh_view
-        from .targets import prepare_process
-
-        if config.hardware.platform == "cpu":  # simulated devices, set before jax starts
-            mesh, _ = build_mesh_view(config, None)
-            prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
         doing = "time the candidates on this machine"
         return _or_usage(
             "measure", doing, lambda: check_mode("measure")(config, progress=_progress)

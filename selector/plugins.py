@@ -3,8 +3,9 @@
 Compile mode and measure mode build and run the layers, so they live in the `checks`
 package, above both the selector and the layers. The selector never imports it: it
 loads them by the entry points pyproject.toml declares in the `moe_cp.checks` group
-(`compile`, `measure`), so `pip install moe-cp` (or `pip install -e .` in a checkout)
-is what makes them available.
+(`compile`, `measure`, `maxtext_compile`, and `start`, which sets the process up
+before a mode starts jax), so `pip install moe-cp` (or `pip install -e .` in a
+checkout) is what makes them available.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class ChecksUnavailable(TargetUnavailable):
 
 
 def check_mode(name: str) -> Callable:
-    """The `check` function of the mode `name` ("compile" or "measure"):
-    check(config, live_shape=None, *, progress=None, ...) -> (plan, findings, result)."""
+    """The function registered as `name` in the `moe_cp.checks` group: a mode's check
+    ("compile", "measure": check(config, live_shape=None, *, progress=None, ...) ->
+    (plan, findings, result); "maxtext_compile"), or "start" (start(config), the set-up
+    before a mode starts jax)."""
     # Every distribution is read, not metadata.entry_points()'s one per name: a stale
     # moe_cp.egg-info in a checkout on sys.path would otherwise hide the installed one.
     found = [

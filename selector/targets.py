@@ -7,7 +7,7 @@ has neither. Nothing runs on them; `jax.jit(f).lower(...).compile()` is what the
 - GPU (H100, H200), by GPUs per host and hosts, through JAX's CUDA plugin (`pip install
   "moe-cp[gpu]"`) and a GPU description shipped with this package
   (`targets_data/gpu.json`, figures from XLA's public target configs, named there).
-- CPU: the simulated host devices (`--xla_force_host_platform_device_count`).
+- CPU: the simulated host devices (`checks.jax_start.prepare_process` asks XLA for them).
 
     >>> from selector import targets
     >>> t = targets.Target("v5p", 8)
@@ -17,8 +17,9 @@ has neither. Nothing runs on them; `jax.jit(f).lower(...).compile()` is what the
     'h200, 2 hosts x 8 GPUs'
 
 Compile GPU programs with `target.compile_options()`: autotuning needs a real GPU.
-The devices themselves need jax, so `checks.targets.devices(target)` makes them; this
-module, which names the target of a plan, imports no jax.
+The devices themselves need jax, so `checks.targets.devices(target)` makes them (with
+XLA's GPU target description written from `gpu_facts()`), and `checks.jax_start` sets
+a process up for them; this module, which names the target of a plan, imports no jax.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +47,7 @@ class TargetUnavailable(RuntimeError):
 
 
 def gpu_chips() -> tuple[str, ...]:
-    return tuple(k for k in _gpu_facts() if not k.startswith("_"))
+    return tuple(k for k in gpu_facts() if not k.startswith("_"))
 
 
 @dataclass(frozen=True)
@@ -119,24 +119,6 @@ class Target:
         return dict(GPU_COMPILE_OPTIONS) if self.platform == "gpu" else {}
 
 
-def prepare_process(platform: str, num_devices: int) -> None:
-    """Set up a process that has not started jax to compile for `platform`: abstract TPU
-    and GPU devices need only JAX's CPU backend; CPU targets need `num_devices` simulated
-    devices, which XLA reads from XLA_FLAGS when jax starts. A no-op once jax runs."""
-    import sys
-
-    if "jax" in sys.modules:
-        return
-    if platform in ("tpu", "gpu"):
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        return
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # not a plugin's backend
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        count = f"--xla_force_host_platform_device_count={num_devices}"
-        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
-
-
 def describe(chip: str, num_devices: int, num_slices: int = 1) -> str:
     """The compile target a config describes, in words ("" when `chip` is not one this
     module compiles for, or the devices make no slice of it)."""
@@ -159,49 +141,7 @@ def torus(chip: str, chips: int) -> tuple[int, ...]:
 
 
 @functools.cache
-def _gpu_facts() -> dict:
+def gpu_facts() -> dict:
+    """The GPU descriptions shipped with this package (`targets_data/gpu.json`): each
+    chip's figures from XLA's public target configs, named there."""
     return json.loads(GPU_FILE.read_text())
-
-
-def gpu_target_config(chip: str) -> str:
-    """XLA's GpuTargetConfigProto for `chip`, in protobuf text form, written from the
-    figures in `targets_data/gpu.json`."""
-    f = _gpu_facts()[chip]
-
-    def rates(name, rows):
-        body = "".join(
-            f"    rate_infos {{ key: {k} value {{ clock_rate_ghz: {clock} "
-            f"units_per_core: {units} ops_per_clock: {ops} }} }}\n"
-            for k, clock, units, ops in rows
-        )
-        return f"  {name} {{\n{body}  }}\n"
-
-    major, minor = f["compute_capability"]
-    bx, by, bz = f["block_dim_limit"]
-    tx, ty, tz = f["thread_dim_limit"]
-    scalars = (
-        "threads_per_block_limit threads_per_warp shared_memory_per_block "
-        "shared_memory_per_core threads_per_core_limit core_count fpus_per_core "
-        "memory_bandwidth l2_cache_size clock_rate_ghz device_memory_size "
-        "shared_memory_per_block_optin registers_per_core_limit registers_per_block_limit "
-        "device_address_bits pcie_bandwidth"
-    ).split()
-    lines = "".join(f"  {k}: {f[k]}\n" for k in scalars)
-    dnn = f["dnn_version"]
-    return (
-        "gpu_device_info {\n"
-        + lines
-        + f"  block_dim_limit_x: {bx}\n  block_dim_limit_y: {by}\n  block_dim_limit_z: {bz}\n"
-        + f"  thread_dim_limit_x: {tx}\n  thread_dim_limit_y: {ty}\n  thread_dim_limit_z: {tz}\n"
-        + f"  cuda_compute_capability {{ major: {major} minor: {minor}"
-        + " feature_extension: ACCELERATED_FEATURES }\n"
-        + rates("scalar_unit_description", f["scalar_rates"])
-        + rates("matrix_unit_description", f["matrix_rates"])
-        + '  device_vendor: "NVIDIA Corporation"\n'
-        + f'  name: "{f["name"]}"\n'
-        + f"  device_interconnect_info {{ active_links: {f['nvlink_active_links']} }}\n"
-        + "}\n"
-        + 'platform_name: "CUDA"\n'
-        + f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n"
-        + f'device_description_str: "{f["name"]}"\n'
-    )

@@ -10,6 +10,8 @@ import pytest
 
 import layers
 import selector
+from checks import jax_start
+from checks import targets as compile_targets
 from layers import grouped_matmul
 from selector import targets, traits
 
@@ -35,6 +37,8 @@ PUBLIC = {
     "selector.traits.traits": traits.traits,
     "selector.traits.jax_release": traits.jax_release,
     "layers.gmm": grouped_matmul.gmm,
+    "checks.jax_start.prepare_process": jax_start.prepare_process,
+    "checks.targets.gpu_target_config": compile_targets.gpu_target_config,
 }
 
 

@@ -243,7 +243,7 @@ def test_the_step_compiles_without_involuntary_rematerialization(cp4_command):
 def test_a_command_prints_no_compiler_plugin_noise(cp4_command):
     """With the tpu/gpu extras installed, a jax start on a machine without accelerators
     prints about 30 lines of plugin errors; the project's commands drop them."""
-    from selector.jax_start import PLUGINS, accelerator_present
+    from checks.jax_start import PLUGINS, accelerator_present
 
     installed = [p for p in PLUGINS if importlib.util.find_spec(p.replace("-", "_"))]
     if not installed or accelerator_present():

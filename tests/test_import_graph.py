@@ -9,6 +9,9 @@
 - `checks` (compile and measure modes) may import both; the selector finds it by the
   `moe_cp.checks` entry points (`selector.plugins`). It never imports `bench`: the
   benchmarks sit above it and are not installed with the package.
+- Compile support lives in `checks`, not in the jax-free core: no selector module sets
+  up a jax process (XLA_FLAGS, JAX_PLATFORMS) or writes a compiler's target description;
+  the CLI asks the `start` entry point to, before a mode starts jax.
 
 Every module is parsed with `ast`, so an import inside a function counts, and so does
 `importlib.import_module("...")` with a literal name.
@@ -116,6 +119,28 @@ def test_the_checkout_keeps_the_walls():
     assert violations(ROOT) == []
 
 
+# What only a process about to start jax, or a compiler, reads: compile support.
+JAX_SETUP = ("XLA_FLAGS", "JAX_PLATFORMS", "xla_force_host_platform_device_count", "GpuTargetConfig")
+
+
+def jax_setup_in(root: Path) -> list[str]:
+    """Each selector module that names what sets up jax or a compiler, as 'module names
+    word'."""
+    out = []
+    for path in sorted((root / "selector").rglob("*.py")):
+        text = path.read_text()
+        out += [f"{module_name(path, root)} names {w}" for w in JAX_SETUP if w in text]
+    return out
+
+
+def test_compile_support_lives_outside_the_selector(tmp_path):
+    """No selector module sets up jax or a compiler's target; a planted one is found."""
+    assert jax_setup_in(ROOT) == []
+    (tmp_path / "selector").mkdir()
+    (tmp_path / "selector/start.py").write_text('import os\nos.environ["XLA_FLAGS"] = ""\n')
+    assert jax_setup_in(tmp_path) == ["selector.start names XLA_FLAGS"]
+
+
 def test_the_walls_are_read_from_every_kind_of_import(tmp_path):
     """The reader sees imports in functions, relative ones, `from pkg import module`,
     and import_module with a literal name; a clean module passes."""
@@ -199,7 +224,7 @@ def test_pyproject_registers_each_check_and_the_selector_finds_it():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["entry-points"][GROUP]
-    assert set(declared) == {"compile", "measure", "maxtext_compile"}
+    assert set(declared) == {"compile", "measure", "maxtext_compile", "start"}
     for name, target in declared.items():
         module, _, attr = target.partition(":")
         loaded = check_mode(name)
@@ -216,10 +241,10 @@ def test_a_missing_plugin_is_named_with_the_install_to_run(monkeypatch):
         selector.compile_check(config)
 
 
-# The selector's edges: compile support, the CLI's simulated devices, the live mesh check,
-# MaxText's own keys, and the table itself. Everywhere else a compiler's or a jax
-# release's behaviour is read from `selector.traits`, not branched on.
-PLATFORM_EDGES = {"selector.traits", "selector.targets", "selector.cli", "selector.api"}
+# The selector's edges: the targets it names, the live mesh check, MaxText's own keys,
+# and the table itself. Everywhere else a compiler's or a jax release's behaviour is
+# read from `selector.traits`, not branched on.
+PLATFORM_EDGES = {"selector.traits", "selector.targets", "selector.api"}
 
 
 def platform_branches(path: Path, root: Path) -> list[str]:

@@ -157,7 +157,7 @@ def largest_all_reduce(hlo: str) -> int:
 
 
 def worker(point: str, dump: Path) -> dict:
-    from selector.targets import prepare_process
+    from checks.jax_start import prepare_process
 
     prepare_process("tpu", CHIPS)
     if point.startswith("step:"):

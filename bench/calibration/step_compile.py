@@ -77,7 +77,7 @@ def overrides(model: str, cp: int, target: str, layers: int | None = None) -> li
 
 def worker(point: str, target: str) -> dict:
     """Compile one point in this process; the row as a dict."""
-    from selector.targets import prepare_process
+    from checks.jax_start import prepare_process
 
     prepare_process("tpu" if target == "tpu" else "gpu", CHIPS)
     import selector

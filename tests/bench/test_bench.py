@@ -216,7 +216,6 @@ def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
     of 32 rows on a 256-row array run 64-row tail tiles, so a 32-row point laid out that
     way, credited with 32 rows, halves the rate of the visits it timed."""
     from bench.calibration.machine import GMM_EXPERTS, GMM_TILES, gmm_visits
-
     from selector.tiles import tiled_gmm_visits
 
     assert tiled_gmm_visits([32] * 8, 256).tiles == ((64, 8),)

@@ -4,7 +4,6 @@ time by its train_compile (checks.maxtext_step), beside the estimate.
 The compile itself runs only where MaxText is importable (Python >= 3.12, the `maxtext`
 extra: nox session tests-3.12); without it the route exits 2 naming the extra."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ SMALL_MOE = [
     "max_target_length=512",
     "compile_topology=v5p-8",
 ]
-HAS_MAXTEXT = importlib.util.find_spec("maxtext") is not None
+HAS_MAXTEXT = maxtext_step.available()
 
 
 def test_out_of_memory_is_read_from_maxtexts_own_message():

@@ -32,8 +32,9 @@ CASES = (
 def compile_case(chips: int, shape: tuple[int, int], axes: tuple[str, ...], lanes: int) -> None:
     """Compile one pmax of `lanes` int32 (1: a scalar) over `axes` for `chips` abstract
     H200s (this process)."""
+    from checks.jax_start import prepare_process
     from checks.targets import devices
-    from selector.targets import Target, prepare_process
+    from selector.targets import Target
 
     prepare_process("gpu", chips)
     import jax

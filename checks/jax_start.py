@@ -1,4 +1,5 @@
-"""Quiet JAX start on a machine without accelerators, for this project's commands.
+"""Setting up a process before jax starts, for this project's commands: a quiet start on
+a machine without accelerators, and the devices a compile target needs.
 
 With the `tpu` and `gpu` extras installed (libtpu, JAX's CUDA plugin), every jax start
 on a machine with neither chip prints about 30 lines: the CUDA plugin's failed
@@ -14,7 +15,16 @@ accelerator is present:
 - stderr through a small filter process that drops the lines in NOISE and passes every
   other byte (XLA's warnings, tracebacks, progress bars). A separate process, not a
   thread, so that a crash of this one still gets its last words through.
-MOE_CP_PLUGIN_LOGS=1 keeps everything. This module imports no jax.
+MOE_CP_PLUGIN_LOGS=1 keeps everything.
+
+`prepare_process(platform, num_devices)` sets what jax reads when it starts for a
+compile target (the CPU backend; simulated CPU devices), and `start_for(config)` does
+both for the CLI's compile=true and measure=true (the `start` entry point the selector
+loads). This module imports no jax, so the CLI can call it before jax starts.
+
+    >>> from checks.jax_start import NOISE
+    >>> bool(NOISE.search(b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine"))
+    True
 """
 
 from __future__ import annotations
@@ -65,6 +75,49 @@ def _plugins_installed() -> bool:
         except metadata.PackageNotFoundError:
             continue
     return False
+
+
+def prepare_process(platform: str, num_devices: int) -> None:
+    """Set up a process that has not started jax to compile for `platform`: abstract TPU
+    and GPU devices need only JAX's CPU backend; CPU targets need `num_devices` simulated
+    devices, which XLA reads from XLA_FLAGS when jax starts. A no-op once jax runs.
+
+    Args:
+      platform: "tpu", "gpu" or "cpu" (`selector.targets.Target.platform`).
+      num_devices: the simulated CPU devices a CPU target needs.
+
+    Returns:
+      None; it sets the environment jax reads when it starts (JAX_PLATFORMS, XLA_FLAGS).
+
+    Example:
+      >>> import os, sys
+      >>> from checks.jax_start import prepare_process
+      >>> prepare_process("cpu", 8) if "jax" not in sys.modules else None
+    """
+    if "jax" in sys.modules:
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # abstract chips need only this backend
+    if platform in ("tpu", "gpu"):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        count = f"--xla_force_host_platform_device_count={num_devices}"
+        os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+
+
+def start_for(config) -> None:
+    """The CLI's set-up before compile=true or measure=true starts jax: a quiet start
+    (`quiet_jax_start`) and, to time on CPU, the mesh's simulated devices.
+
+    Args:
+      config: the typed `selector.Config` about to be compiled or timed.
+    """
+    quiet_jax_start()
+    if config.measure and config.hardware.platform == "cpu":
+        from selector.mesh import build_mesh_view
+
+        mesh, _ = build_mesh_view(config, None)
+        prepare_process("cpu", mesh.num_devices if mesh is not None else 1)
 
 
 def quiet_jax_start() -> None:

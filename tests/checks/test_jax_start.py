@@ -1,4 +1,4 @@
-"""selector.jax_start: the compiler plugins' start-up lines are dropped from stderr, and
+"""checks.jax_start: the compiler plugins' start-up lines are dropped from stderr, and
 nothing else is (progress bars, XLA's warnings, a dying process's last words)."""
 
 import subprocess
@@ -31,7 +31,7 @@ KEPT = [
 
 
 def test_the_filter_drops_plugin_lines_and_keeps_the_rest():
-    from selector.jax_start import NOISE
+    from checks.jax_start import NOISE
 
     assert all(NOISE.search(line) for line in PLUGIN_LINES)
     assert not any(NOISE.search(line) for line in KEPT)
@@ -43,7 +43,7 @@ def test_a_crash_still_gets_its_last_words_through(tmp_path):
     kept = (KEPT * 2)[: len(PLUGIN_LINES)]
     mixed = b"".join(x for pair in zip(PLUGIN_LINES, kept, strict=True) for x in pair)
     code = (
-        "import os; from selector.jax_start import _filter_stderr; _filter_stderr(); "
+        "import os; from checks.jax_start import _filter_stderr; _filter_stderr(); "
         f"os.write(2, {mixed!r}); os.write(2, b'last words without a newline'); os._exit(3)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT, timeout=60)
