@@ -9,6 +9,14 @@ Mixtral step at two layer counts:
 
 - `gather[:E]`: one expert matrix (bf16 [E, 4096, 14336], E=8 unless given, fsdp-sharded)
   gathered and used in a matmul; `swiglu`: three of them, as an MoE layer's forward does;
+- `split:D[:N[:G]]`: a bf16 [64, 512, 14336] matrix (896 MiB) split over fsdp along dim D
+  (0, 1 or 2), gathered whole into a matmul, on N chips (64 unless given) of which G
+  (all unless given) form the fsdp axis, the rest a data axis; `shmap:D[:N[:G]]`
+  the same gathered by `jax.lax.all_gather` inside a shard_map, as the layers do;
+  `both:D:N:G` split over both axes of that mesh at once (all N chips);
+  `vocab:D`: a bf16 [151936, 2048] table (594 MiB,
+  Qwen3's embedding) split along dim D (0 vocabulary, 1 embedding), gathered whole into
+  the logits' matmul: which split XLA:TPU gathers by an all-reduce;
 - `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
   MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
   AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
@@ -40,6 +48,7 @@ from bench.common import RESULTS, arguments, paired_bars, pyplot, save, stack, t
 STUDY = "libtpu_temp"
 MIB = 2**20
 EXPERTS, EMB, HIDDEN, CHIPS, TOKENS = 8, 4096, 14336, 64, 1024
+VOCAB = 151936  # Qwen3's
 DEFAULT_POINTS = (
     "gather,gather:4,gather:2,swiglu,scan:2:grad,scan:8:grad,scan:2:sgd,scan:8:sgd,"
     "scan:2:adamw,scan:8:adamw,scan:2:adamw_kept,scan:8:adamw_kept,"
@@ -48,6 +57,7 @@ DEFAULT_POINTS = (
 COLUMNS = [
     ("point", "point"),
     ("largest_all_reduce_mib", "largest all-reduce MiB"),
+    ("largest_all_gather_mib", "largest all-gather MiB"),
     ("layer_params_mib", "f32 weights a layer MiB"),
     ("temp_mib", "temp MiB (memory analysis)"),
     ("heap_mib", "temp the buffer assignment allocates"),
@@ -68,7 +78,12 @@ def _toy(point: str):
     from checks.targets import devices
     from selector.targets import Target
 
-    mesh = Mesh(np.array(devices(Target.from_hardware("v5p", CHIPS, 1))), ("fsdp",))
+    kind, *rest = point.split(":")
+    meshed = kind in ("split", "shmap", "both")
+    chips = int(rest[1]) if meshed and len(rest) > 1 else CHIPS
+    group = int(rest[2]) if meshed and len(rest) > 2 else chips
+    chip_list = np.array(devices(Target.from_hardware("v5p", chips, 1)))
+    mesh = Mesh(chip_list.reshape(chips // group, group), ("data", "fsdp"))
 
     def spec(*s):
         return NamedSharding(mesh, P(*s))
@@ -82,7 +97,29 @@ def _toy(point: str):
         return jnp.einsum("teh,ehm->tm", jax.nn.silu(a) * b, wo).astype(h.dtype) / EXPERTS
 
     x = jax.ShapeDtypeStruct((TOKENS, EMB), jnp.bfloat16, sharding=spec("fsdp", None))
-    kind, *rest = point.split(":")
+    if meshed:  # a (64, 512, 14336) matrix, 896 MiB, split along a dim
+        dim, shape = int(rest[0]), (64, 512, HIDDEN)
+        where = [None, None, None]
+        where[dim] = ("data", "fsdp") if kind == "both" else "fsdp"
+        w = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(*where))
+        rows = P(("data", "fsdp"), None)  # the tokens over every chip
+        xs = jax.ShapeDtypeStruct((TOKENS, 512), jnp.bfloat16, sharding=NamedSharding(mesh, rows))
+        if kind in ("split", "both"):
+            return jax.jit(lambda w, x: jnp.einsum("tm,emh->teh", x, whole(w)).sum(1)), (w, xs)
+
+        def local(w, x):  # the layers' way: jax.lax.all_gather inside shard_map
+            full = jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True)
+            return jnp.einsum("tm,emh->teh", x, full).sum(1)
+
+        body = jax.shard_map(local, mesh=mesh, in_specs=(P(*where), rows), out_specs=rows)
+        return jax.jit(body), (w, xs)
+    if kind == "vocab":  # a (vocab, emb) table of 594 MiB split along one dim: logits
+        dim = int(rest[0])
+        where = [None, None]
+        where[dim] = "fsdp"
+        table = jax.ShapeDtypeStruct((VOCAB, 2048), jnp.bfloat16, sharding=spec(*where))
+        xs = jax.ShapeDtypeStruct((TOKENS, 2048), jnp.bfloat16, sharding=spec("fsdp", None))
+        return jax.jit(lambda e, x: jnp.einsum("tm,vm->tv", x, whole(e)).max(1)), (table, xs)
     if kind in ("gather", "swiglu"):
         shape = (int(rest[0]) if rest else EXPERTS, EMB, HIDDEN)
         w = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=spec(None, "fsdp", None))
@@ -144,11 +181,11 @@ def _step(model: str, cp: int, layers: int | None) -> tuple[dict, float]:
     return compiled.as_dict(), compiled.params / config.base_num_decoder_layers
 
 
-def largest_all_reduce(hlo: str) -> int:
-    """Bytes of the largest all-reduce result in an optimized HLO text."""
+def largest_all_reduce(hlo: str, op: str = "all-reduce") -> int:
+    """Bytes of the largest `op` result (all-reduce, all-gather) in an optimized HLO text."""
     sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
     best = 0
-    for m in re.finditer(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-reduce(?:-start)?\(", hlo):
+    for m in re.finditer(rf"= (\w+)\[([\d,]*)\]\{{[^}}]*\}} {op}(?:-start)?\(", hlo):
         n = 1
         for d in filter(None, m.group(2).split(",")):
             n *= int(d)
@@ -180,6 +217,7 @@ def worker(point: str, dump: Path) -> dict:
     return {
         "point": point,
         "largest_all_reduce_mib": largest_all_reduce(hlo) / MIB,
+        "largest_all_gather_mib": largest_all_reduce(hlo, "all-gather") / MIB,
         "layer_params_mib": layer_params / MIB,
         "temp_mib": temp / MIB,
         "heap_mib": heap / MIB,
