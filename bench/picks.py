@@ -22,7 +22,7 @@ config's candidates.
 The set was written and timed before the counted time model replaced the fitted one
 (see docs/results/picks.md); it is never read for terms or tuned against.
 
-    python -m bench.picks --time     # time every config (about 35 minutes on 2 cores)
+    python -m bench.picks --time     # time every config (judge set about 12 minutes on 2 cores, dev set 25)
     python -m bench.picks            # score today's selector on the stored timings
     python -m bench.picks --check    # score, and fail unless the picks meet the bar
 """

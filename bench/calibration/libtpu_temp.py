@@ -181,7 +181,7 @@ def _step(model: str, cp: int, layers: int | None) -> tuple[dict, float]:
     return compiled.as_dict(), compiled.params / config.base_num_decoder_layers
 
 
-def largest_all_reduce(hlo: str, op: str = "all-reduce") -> int:
+def largest_collective(hlo: str, op: str) -> int:
     """Bytes of the largest `op` result (all-reduce, all-gather) in an optimized HLO text."""
     sizes = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
     best = 0
@@ -216,8 +216,8 @@ def worker(point: str, dump: Path) -> dict:
     hlo = biggest.with_name(biggest.name.replace("-buffer-assignment", "")).read_text()
     return {
         "point": point,
-        "largest_all_reduce_mib": largest_all_reduce(hlo) / MIB,
-        "largest_all_gather_mib": largest_all_reduce(hlo, "all-gather") / MIB,
+        "largest_all_reduce_mib": largest_collective(hlo, "all-reduce") / MIB,
+        "largest_all_gather_mib": largest_collective(hlo, "all-gather") / MIB,
         "layer_params_mib": layer_params / MIB,
         "temp_mib": temp / MIB,
         "heap_mib": heap / MIB,

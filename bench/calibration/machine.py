@@ -262,13 +262,14 @@ def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
 
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
-    GMM_EXPERTS experts of one tile each (`gmm_layout`: one visit an expert), its forward with one weight, its input gradient and its weight gradient, each
-    timed alone; per visit, the mean of the three less a call."""
+    GMM_EXPERTS experts of one tile each (`gmm_layout`: one visit an expert), its
+    forward with one weight, its input gradient and its weight gradient, each timed
+    alone; per visit, the mean of the three less a call."""
     called = call()
     out = []
     for tile in tiles:
+        visited, visits = gmm_visits(tile)
         for k, n in kn_list:
-            visited, visits = gmm_visits(tile)
             seconds = [
                 max(_timed(*_flat(_program(body, *shapes, dtype=dtype))) - called, 1e-9) / visits
                 for body, *shapes in _gmm_passes(tile, GMM_EXPERTS, k, n)
