@@ -24,8 +24,11 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   gradients are the program's outputs, not temporaries.
 - activations: megablox gathered, the sorted rows (T k x M) and the two hidden
   products (T k x H each) live during the first two matmuls, saved for the backward when
-  training; exchanged, one round's send and receive buffers (2 x G x B x M) and one
-  slot's hidden products (2 x B x H); dense, every token's hidden products and outputs
+  training; exchanged, a round's (G x B x M) buffers, as many as the compiler holds
+  (`Traits.exchange_row_buffers`: the send and receive buffers forward, and the
+  received rows beside their received cotangents training), one slot's hidden
+  products (2 x B x H) and, training, the tokens' input gradient the rounds add into
+  and the cotangent they read (2 x T x M); dense, every token's hidden products and outputs
   for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
   products and outputs (G x E x C x (2M + 2H)), and its one-hot dispatch masks
   (T x E x C) as many times as the compiler holds them (XLA:TPU fuses them into their
@@ -120,7 +123,9 @@ def held_buffers(
         # formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
         # weight-sized buffers, the three gathered and one gradient).
         gradients *= compiler.gathered_gradients_held
-    activations = activation_bytes(strategy, exchange, p)
+    activations = activation_bytes(
+        strategy, exchange, p, compiler.exchange_row_buffers[1 if p.train else 0]
+    )
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
     if compiler.gathered_forward_second_layout and gathered_forward:
         # jax 0.10's XLA:GPU forward of the gathered grouped matmul (tiled_gmm) holds a
@@ -139,15 +144,19 @@ def held_buffers(
     return HeldBuffers(weights, gradients, activations, masks)
 
 
-def activation_bytes(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
-    """The activations a block's program holds at its peak (the module's docstring)."""
+def activation_bytes(
+    strategy: Dispatch, exchange: Exchange, p: DeviceProblem, round_buffers: int = 2
+) -> float:
+    """The activations a block's program holds at its peak (the module's docstring);
+    `round_buffers`: the exchange's (G, B, M) buffers held at once."""
     beside = p.T * 2 * p.Hs * p.xb  # the shared experts' hidden products
     if strategy is Dispatch.mlp:
         return p.T * 2 * p.H * p.xb + beside
     beside += p.T * p.E * ROUTER_BYTES
     if strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
         b = buffer_rows(p)
-        return (2 * p.group * b * p.M + 2 * b * p.H) * p.xb + beside
+        carried = 2 * p.T * p.M if p.train else 0  # the backward's dx and dy (T, M)
+        return (round_buffers * p.group * b * p.M + 2 * b * p.H + carried) * p.xb + beside
     if strategy is Dispatch.megablox:
         return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
     if strategy is Dispatch.dense:
