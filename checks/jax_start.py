@@ -111,6 +111,18 @@ def start_for(config) -> None:
 
     Args:
       config: the typed `selector.Config` about to be compiled or timed.
+
+    Returns:
+      None; it sets the environment jax reads when it starts, and nothing once jax runs.
+
+    Example:
+      >>> import os, selector
+      >>> from checks.jax_start import start_for
+      >>> cfg = selector.to_config(selector.compose(["model=tiny", "measure=true"]))
+      >>> before = dict(os.environ)
+      >>> start_for(cfg)  # jax already runs in this process: the environment stays
+      >>> dict(os.environ) == before
+      True
     """
     quiet_jax_start()
     if config.measure and config.hardware.platform == "cpu":

@@ -28,8 +28,8 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   (`Traits.exchange_row_buffers`: the send and receive buffers forward, and the
   received rows beside their received cotangents training), one slot's hidden
   products (2 x B x H) and, training, the tokens' input gradient the rounds add into
-  and the cotangent they read (2 x T x M); dense, every token's hidden products and outputs
-  for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
+  and the cotangent they read (`Traits.exchange_token_buffers` x T x M); dense,
+  every token's hidden products and outputs for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
   products and outputs (G x E x C x (2M + 2H)), and its one-hot dispatch masks
   (T x E x C) as many times as the compiler holds them (XLA:TPU fuses them into their
   einsums; `Traits.capacity_masks_*`); the router's float32 probabilities (T x E) and the shared
@@ -124,7 +124,11 @@ def held_buffers(
         # weight-sized buffers, the three gathered and one gradient).
         gradients *= compiler.gathered_gradients_held
     activations = activation_bytes(
-        strategy, exchange, p, compiler.exchange_row_buffers[1 if p.train else 0]
+        strategy,
+        exchange,
+        p,
+        compiler.exchange_row_buffers[1 if p.train else 0],
+        compiler.exchange_token_buffers if p.train else 0,
     )
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
     if compiler.gathered_forward_second_layout and gathered_forward:
@@ -145,18 +149,22 @@ def held_buffers(
 
 
 def activation_bytes(
-    strategy: Dispatch, exchange: Exchange, p: DeviceProblem, round_buffers: int = 2
+    strategy: Dispatch,
+    exchange: Exchange,
+    p: DeviceProblem,
+    round_buffers: int = 2,
+    token_buffers: int = 0,
 ) -> float:
     """The activations a block's program holds at its peak (the module's docstring);
-    `round_buffers`: the exchange's (G, B, M) buffers held at once."""
+    the exchange's `round_buffers` (G, B, M) and `token_buffers` (T, M) held at once."""
     beside = p.T * 2 * p.Hs * p.xb  # the shared experts' hidden products
     if strategy is Dispatch.mlp:
         return p.T * 2 * p.H * p.xb + beside
     beside += p.T * p.E * ROUTER_BYTES
     if strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
         b = buffer_rows(p)
-        carried = 2 * p.T * p.M if p.train else 0  # the backward's dx and dy (T, M)
-        return (round_buffers * p.group * b * p.M + 2 * b * p.H + carried) * p.xb + beside
+        rows = round_buffers * p.group * b * p.M + token_buffers * p.T * p.M
+        return (rows + 2 * b * p.H) * p.xb + beside
     if strategy is Dispatch.megablox:
         return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
     if strategy is Dispatch.dense:

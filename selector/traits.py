@@ -74,6 +74,12 @@ class Traits:
         way: its asynchronous ragged_all_to_all keeps the zeroed output operand apart
         from the result, where XLA:TPU writes the result into it. XLA:CPU runs a padded
         all_to_all; its rows were not read this way (2, 2).
+      exchange_token_buffers: the (T, M) token buffers the exchange's backward holds
+        beside its round buffers at the peak: the input gradient the rounds add into and
+        the cotangent they read (2 on XLA:TPU and XLA:GPU, read with the round buffers).
+        XLA:CPU's were not read (0: its count is the one constant below times the
+        buffers counted before, and adding these took the CPU memory study's exchanged
+        points further over).
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -96,6 +102,7 @@ class Traits:
     capacity_masks_compute: tuple[float, float] = (0.0, 0.0)
     gather_relayouts: tuple[str, ...] = ("gate_up", "out")
     exchange_row_buffers: tuple[int, int] = (2, 2)
+    exchange_token_buffers: int = 2
     compiler_factor: float = 1.0
 
     @property
@@ -119,6 +126,7 @@ TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
     ("cpu", (0, 0)): Traits(
         weight_copy_in_f32=True,
         exchange_collective="all_to_all",
+        exchange_token_buffers=0,
         capacity_masks_f32=(3.0, 2.0),
         capacity_masks_compute=(1.0, 0.0),
         compiler_factor=1.45,

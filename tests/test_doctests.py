@@ -38,6 +38,7 @@ PUBLIC = {
     "selector.traits.jax_release": traits.jax_release,
     "layers.gmm": grouped_matmul.gmm,
     "checks.jax_start.prepare_process": jax_start.prepare_process,
+    "checks.jax_start.start_for": jax_start.start_for,
     "checks.targets.gpu_target_config": compile_targets.gpu_target_config,
 }
 

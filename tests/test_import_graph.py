@@ -120,7 +120,12 @@ def test_the_checkout_keeps_the_walls():
 
 
 # What only a process about to start jax, or a compiler, reads: compile support.
-JAX_SETUP = ("XLA_FLAGS", "JAX_PLATFORMS", "xla_force_host_platform_device_count", "GpuTargetConfig")
+JAX_SETUP = (
+    "XLA_FLAGS",
+    "JAX_PLATFORMS",
+    "xla_force_host_platform_device_count",
+    "GpuTargetConfig",
+)
 
 
 def jax_setup_in(root: Path) -> list[str]:
