@@ -69,24 +69,10 @@ def label(chip: str, point) -> str:
 
 
 def overrides(chip: str, point) -> list[str]:
+    from bench.calibration.memory_holdout import layer_overrides
+
     devices, model, cp, seq, mode = point
-    return [
-        f"model={model}",
-        f"hardware={chip}",
-        f"num_devices={devices}",
-        "num_slices=1",
-        f"ici_fsdp_parallelism={devices // cp}",
-        f"ici_context_parallelism={cp}",
-        f"per_device_batch_size={1 / cp}",
-        f"max_target_length={seq}",
-        f"mode={mode}",
-        "dispatch=megablox",
-        "expert_exchange=all_to_all",
-        "expert_group=expert_sequence_and_fsdp",
-        "dtype=bfloat16",
-        "param_dtype=bfloat16",
-        "hardware.memory_gib=1000000",
-    ]
+    return layer_overrides(chip, devices, model, cp, seq, "all_to_all_fsdp", mode)
 
 
 def peak_buffers(live_range: str) -> list[int]:

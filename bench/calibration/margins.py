@@ -8,7 +8,10 @@ A judge set is a committed study of compiled whole steps (the compiled bytes are
 truth; the estimate is recounted here with today's code):
 
 - XLA:TPU, native route: `step_compile` and `step_compile_jax012` (this project's
-  decoder for v5p, 64 chips, jax 0.10.2 and 0.12.0.1);
+  decoder for v5p, 64 chips, jax 0.10.2 and 0.12.0.1, the MoE layers `auto` picked
+  when the expert group was the context devices alone), and `step_compile_default`
+  (the 10 of those 12 points whose pick changed once `auto` weighed fsdp in the group,
+  compiled with today's picks on jax 0.10.2, 2026-12-05, before any count changed);
 - XLA:GPU, native route: `step_compile_gpu` and `step_compile_gpu_jax012` (H200);
 - XLA:TPU, MaxText route: `judge_step` (MaxText 0.2.5's train_compile for v5p, 20
   points from 1k to 32k tokens a device, written by `bench.calibration.maxtext_step --into
@@ -38,7 +41,10 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 # (compiler, route) -> the judge sets that speak for it, and the chips whose presets
 # take its margin (the same compiler; chips differ in HBM, the error is relative).
 JUDGES = {
-    ("tpu", "native"): (("step_compile", "step_compile_jax012"), ("v5p", "v5e", "v6e")),
+    ("tpu", "native"): (
+        ("step_compile", "step_compile_jax012", "step_compile_default"),
+        ("v5p", "v5e", "v6e"),
+    ),
     ("gpu", "native"): (("step_compile_gpu", "step_compile_gpu_jax012"), ("h100", "h200")),
     ("tpu", "maxtext"): (("judge_step",), ("v5p", "v5e", "v6e")),
 }
@@ -54,13 +60,14 @@ MARGIN_COMMENT = {
 }
 
 
-def native_pins(candidate: str) -> list[str]:
+def native_pins(candidate: str, group: str = "expert_and_sequence") -> list[str]:
     """The overrides that make today's selector estimate the program that was compiled:
     its dispatch (the time count may pick another), its exchange, and for an exchange
-    the expert group that was the default then."""
+    its expert group (the row's, or the context devices alone, the default when rows
+    did not record it)."""
     dispatch = f"dispatch={candidate.split('/')[0]}"
     if candidate.startswith("megablox/all_to_all"):
-        return [dispatch, "expert_exchange=all_to_all", "expert_group=expert_and_sequence"]
+        return [dispatch, "expert_exchange=all_to_all", f"expert_group={group}"]
     return [dispatch, "expert_exchange=gather"]
 
 
@@ -71,7 +78,7 @@ def native_estimate(row: dict, target: str, jax_version: str) -> float:
     model, cp, layers = parse(row["point"])
     lines = [
         *overrides(model, cp, target, layers),
-        *native_pins(row["candidate"]),
+        *native_pins(row["candidate"], row.get("expert_group", "expert_and_sequence")),
         f"hardware.jax_version={jax_version}",
     ]
     plan, _ = selector.api.analyse_any(selector.to_config(selector.compose(lines)))

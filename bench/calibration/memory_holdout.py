@@ -70,7 +70,15 @@ def programs():
 
 
 def overrides(chip: str, model: str, cp: int, exchange: str, mode: str) -> list[str]:
-    devices = TARGETS[chip]
+    return layer_overrides(chip, TARGETS[chip], model, cp, SEQ, exchange, mode)
+
+
+def layer_overrides(
+    chip: str, devices: int, model: str, cp: int, seq: int, exchange: str, mode: str
+) -> list[str]:
+    """One MoE layer of `model`, megablox with `exchange` (a key of EXCHANGES), on
+    `devices` chips as fsdp = devices / cp x context = cp, one `seq`-token sequence a
+    fsdp shard, bfloat16, memory unbounded (the compiler's temp is the answer)."""
     return [
         f"model={model}",
         f"hardware={chip}",
@@ -79,7 +87,7 @@ def overrides(chip: str, model: str, cp: int, exchange: str, mode: str) -> list[
         f"ici_fsdp_parallelism={devices // cp}",
         f"ici_context_parallelism={cp}",
         f"per_device_batch_size={1 / cp}",
-        f"max_target_length={SEQ}",
+        f"max_target_length={seq}",
         f"mode={mode}",
         "dispatch=megablox",
         f"expert_exchange={'gather' if exchange == 'gather' else 'all_to_all'}",

@@ -94,6 +94,7 @@ def worker(point: str, target: str) -> dict:
         "point": point,
         "status": "ok",
         "candidate": est.name,
+        "expert_group": plan.placement.as_dict()["expert_group"],
         "target": n.target,
         "compiled": n.as_dict(),
         "arguments_gib": n.arguments / GIB,
