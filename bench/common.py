@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -222,6 +223,18 @@ def worker_row(point: str, cmd: list[str], timeout: float, env: dict | None = No
             "seconds": time.perf_counter() - start,
         }
     return row
+
+
+def dumped_worker_row(
+    point: str, cmd: list[str], timeout: float, dump_env: str, env: dict | None = None, flags=""
+) -> dict:
+    """`worker_row` with XLA dumping the worker's compiles into a temporary folder, whose
+    path the worker reads from the environment variable `dump_env`; `flags`: more
+    XLA_FLAGS for the worker (the dump flag replaces any XLA_FLAGS of `env`)."""
+    with tempfile.TemporaryDirectory() as dump:
+        xla_flags = f"--xla_dump_to={dump} {flags}".strip()
+        env = {**(env or os.environ), "XLA_FLAGS": xla_flags, dump_env: dump}
+        return worker_row(point, cmd, timeout, env)
 
 
 def failure_line(stderr: str) -> str:

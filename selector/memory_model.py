@@ -29,8 +29,9 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   received rows beside their received cotangents training), one slot's hidden
   products (2 x B x H) and, training, the tokens' input gradient the rounds add into
   and the cotangent they read (`Traits.exchange_token_buffers` x T x M); dense,
-  every token's hidden products and outputs for every expert (T x E_c x (2H + M)); subgroup capacity, the expert inputs, hidden
-  products and outputs (G x E x C x (2M + 2H)), and its one-hot dispatch masks
+  every token's hidden products and outputs for every expert (T x E_c x (2H + M));
+  subgroup capacity, the expert inputs, hidden products and outputs
+  (G x E x C x (2M + 2H)), and its one-hot dispatch masks
   (T x E x C) as many times as the compiler holds them (XLA:TPU fuses them into their
   einsums; `Traits.capacity_masks_*`); the router's float32 probabilities (T x E) and the shared
   experts' hidden products (T x 2 Hs) beside each.

@@ -24,9 +24,8 @@ import json
 import os
 import re
 import sys
-import tempfile
 
-from bench.common import save, stack, table, worker_row
+from bench.common import dumped_worker_row, save, stack, table
 
 MIB = 2**20
 # (set, data, context, sequence, experts, top_k, mode, emb, hidden)
@@ -149,14 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     for index, point in enumerate(POINTS):
         if args.set not in ("all", point[0]):
             continue
-        with tempfile.TemporaryDirectory() as dump:
-            flags = f"--xla_dump_to={dump} --xla_force_host_platform_device_count=8"
-            env = {**os.environ, "XLA_FLAGS": flags, "CAPACITY_DUMP": dump}
-            if args.chip == "cpu":
-                env["JAX_PLATFORMS"] = "cpu"
-            cmd = [sys.executable, "-m", "bench.calibration.capacity_masks"]
-            cmd += ["--chip", args.chip, "--worker", str(index)]
-            row = worker_row(label(point), cmd, 900, env)
+        env = {**os.environ, **({"JAX_PLATFORMS": "cpu"} if args.chip == "cpu" else {})}
+        cmd = [sys.executable, "-m", "bench.calibration.capacity_masks"]
+        cmd += ["--chip", args.chip, "--worker", str(index)]
+        flags = "--xla_force_host_platform_device_count=8"
+        row = dumped_worker_row(label(point), cmd, 900, "CAPACITY_DUMP", env, flags)
         rows.append(row)
         print(row.get("point"), row.get("error", row.get("status")), flush=True)
     print(table([r for r in rows if r.get("status") == "ok"], COLUMNS))

@@ -21,14 +21,13 @@ counts or sequence lengths).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import sys
-import tempfile
+from pathlib import Path
 
-from bench.common import save, stack, table, worker_row
+from bench.common import dumped_worker_row, save, stack, table
 
 MIB = 2**20
 # chip -> (devices, model, cp, sequence, mode) per point
@@ -89,7 +88,7 @@ def round_buffers(sizes: list[int], round_bytes: int) -> int:
 
 def worker(chip: str, index: int) -> None:
     import selector
-    from bench.calibration.dump_peak import allocations
+    from bench.calibration.dump_peak import allocations, live_peak
     from checks.compiled import compile_plan
     from selector import targets
     from selector.problem import buffer_rows, problem_shape
@@ -102,10 +101,10 @@ def worker(chip: str, index: int) -> None:
     _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, point[0]))
     temp = program.memory_analysis().temp_size_in_bytes
     dump = os.environ["EXCHANGE_DUMP"]
-    (assignment,) = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
-    (ranges,) = glob.glob(os.path.join(dump, "*after_optimizations-live-range.txt"))
-    alloc = allocations(open(assignment).read())
-    sizes = peak_buffers(open(ranges).read())
+    (assignment,) = Path(dump).glob("*after_optimizations-buffer-assignment.txt")
+    (ranges,) = Path(dump).glob("*after_optimizations-live-range.txt")
+    alloc = allocations(assignment.read_text())
+    live_range = ranges.read_text()
     count = plan.chosen_estimate.memory.temp
     print(
         json.dumps(
@@ -113,8 +112,8 @@ def worker(chip: str, index: int) -> None:
                 "point": label(chip, point),
                 "mode": point[4],
                 "round_mib": round_bytes / MIB,
-                "round_buffers": round_buffers(sizes, round_bytes),
-                "live_mib": (sum(sizes) - alloc["parameters"]) / MIB,
+                "round_buffers": round_buffers(peak_buffers(live_range), round_bytes),
+                "live_mib": (live_peak(live_range) - alloc["parameters"]) / MIB,
                 "alloc_mib": alloc["temp"] / MIB,
                 "temp_mib": temp / MIB,
                 "count_mib": count / MIB,
@@ -152,12 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for index, point in enumerate(POINTS[args.chip]):
-        with tempfile.TemporaryDirectory() as dump:
-            env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}", "EXCHANGE_DUMP": dump}
-            env.setdefault("JAX_PLATFORMS", "cpu")
-            cmd = [sys.executable, "-m", "bench.calibration.exchange_rows"]
-            cmd += ["--chip", args.chip, "--worker", str(index)]
-            row = worker_row(label(args.chip, point), cmd, 900, env)
+        cmd = [sys.executable, "-m", "bench.calibration.exchange_rows"]
+        cmd += ["--chip", args.chip, "--worker", str(index)]
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        row = dumped_worker_row(label(args.chip, point), cmd, 900, "EXCHANGE_DUMP", env=env)
         rows.append(row)
         print(row.get("point"), row.get("round_buffers", row.get("status")), flush=True)
     print(table([r for r in rows if r.get("status") == "ok"], COLUMNS))

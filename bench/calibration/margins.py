@@ -60,11 +60,15 @@ MARGIN_COMMENT = {
 }
 
 
-def native_pins(candidate: str, group: str = "expert_and_sequence") -> list[str]:
+# The expert group `auto` gave an exchange before it weighed fsdp too: the group of the
+# judge rows that do not record theirs.
+CONTEXT_GROUP = "expert_and_sequence"
+
+
+def native_pins(candidate: str, group: str = CONTEXT_GROUP) -> list[str]:
     """The overrides that make today's selector estimate the program that was compiled:
     its dispatch (the time count may pick another), its exchange, and for an exchange
-    its expert group (the row's, or the context devices alone, the default when rows
-    did not record it)."""
+    its expert group."""
     dispatch = f"dispatch={candidate.split('/')[0]}"
     if candidate.startswith("megablox/all_to_all"):
         return [dispatch, "expert_exchange=all_to_all", f"expert_group={group}"]
@@ -78,7 +82,7 @@ def native_estimate(row: dict, target: str, jax_version: str) -> float:
     model, cp, layers = parse(row["point"])
     lines = [
         *overrides(model, cp, target, layers),
-        *native_pins(row["candidate"], row.get("expert_group", "expert_and_sequence")),
+        *native_pins(row["candidate"], row.get("expert_group", CONTEXT_GROUP)),
         f"hardware.jax_version={jax_version}",
     ]
     plan, _ = selector.api.analyse_any(selector.to_config(selector.compose(lines)))
