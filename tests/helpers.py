@@ -32,3 +32,15 @@ def routed_findings(base, over) -> list:
     from selector.maxtext import analyse_on_route
 
     return analyse_on_route(selector.from_maxtext(base, over), base, over)[1]
+
+
+# DeepSeek-V3 decoding on v5p-128 (fsdp 64), 2 sequences of 8,192 a device, bfloat16
+# weights: the decode whose gathered experts move 22.3 GB a device a layer.
+DEEPSEEK_DECODE = (
+    "model=deepseek_v3",
+    "mesh=v5p_128",
+    "mode=decode",
+    "per_device_batch_size=2",
+    "max_target_length=8192",
+    "param_dtype=bfloat16",
+)

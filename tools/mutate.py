@@ -117,6 +117,8 @@ PARTS = {
         ),
         "tests": (
             "tests/selector/test_whole_model.py",
+            "tests/selector/test_drop_fraction.py",
+            "tests/selector/test_rules_strategy.py",
             "tests/selector/test_margins.py",
             "tests/selector/test_cost.py",
             "tests/selector/test_selector_findings.py",
@@ -165,6 +167,14 @@ def workdir(part: str) -> Path:
         r"(?m)^pytest_add_cli_args_test_selection = \[[^\]]*\]",
         f"pytest_add_cli_args_test_selection = {toml_list(spec['tests'])}",
         pyproject,
+    )
+    # A program compiled ahead of time for an abstract TPU or GPU (no client) is written
+    # to JAX's persistent cache but cannot be read back: jax warns and compiles it again,
+    # and the suite's `filterwarnings = error` would fail the clean run on that warning.
+    pyproject = pyproject.replace(
+        'pytest_add_cli_args = ["-p", "no:cacheprovider",',
+        'pytest_add_cli_args = ["-W", "ignore:Error reading persistent compilation cache '
+        'entry:UserWarning", "-p", "no:cacheprovider",',
     )
     (work / "pyproject.toml").write_text(pyproject)
     return work

@@ -4,7 +4,7 @@ links it crosses (ICI within a slice, DCN across slices), priced at that link's 
 import math
 
 import pytest
-from helpers import problem, typed
+from helpers import DEEPSEEK_DECODE, problem, typed
 
 import selector
 from selector import Dispatch, Exchange
@@ -117,14 +117,7 @@ def test_decode_that_gathers_every_expert_says_so_with_both_numbers():
     token step: DECODE_GATHERS_WEIGHTS gives that and the exchange's numbers with the
     experts split over the same devices, and its fix (the fsdp devices as expert
     devices) clears it; a forward-only report says nothing about gradients."""
-    common = (
-        "model=deepseek_v3",
-        "mesh=v5p_128",
-        "mode=decode",
-        "per_device_batch_size=2",
-        "max_target_length=8192",
-        "param_dtype=bfloat16",
-    )
+    common = DEEPSEEK_DECODE
     auto = selector.resolve(typed(*common))
     assert auto.placement.group_axes == ("fsdp",)
     assert "DECODE_GATHERS_WEIGHTS" not in {x.code for x in auto.findings}

@@ -543,3 +543,37 @@ def test_tokamax_backend_without_the_package_is_refused(monkeypatch):
     assert "GMM_BACKEND_MISSING" not in codes(
         selector.validate(typed("mesh=h100_8", "gmm_backend=auto"))
     )
+
+
+def test_the_capacity_below_one_fix_is_the_least_factor_that_clears_it():
+    """Per-subgroup capacity is sub_seq x k / E x capacity_factor: the factor offered
+    brings it to one token (E / (sub_seq x k), up to the hundredth), and a hundredth
+    less leaves it under one. 2 tokens a subgroup x 2 / 8 experts: 2.0."""
+    trigger = (
+        "capacity_factor=1",
+        "max_target_length=16",
+        "ici_context_parallelism=8",
+        "per_device_batch_size=0.125",
+    )
+    (hit,) = [f for f in selector.validate(typed(*trigger)) if f.code == "CAPACITY_BELOW_ONE"]
+    offered = [dict(x.overrides).get("capacity_factor", -1.0) for x in hit.fixes]
+    (factor,) = [f for f in offered if f > 0]  # the other fix is dropless routing (-1)
+    cfg = typed(*trigger)
+    assert factor == pytest.approx(cfg.num_experts / (2 * cfg.num_experts_per_tok))
+    fixed = typed(*trigger[1:], f"capacity_factor={factor}")
+    assert "CAPACITY_BELOW_ONE" not in codes(selector.validate(fixed))
+    short = typed(*trigger[1:], f"capacity_factor={factor - 0.01:.2f}")
+    assert "CAPACITY_BELOW_ONE" in codes(selector.validate(short))
+
+
+@pytest.mark.parametrize(("experts", "split"), [(64, 8), (6, 2)])
+def test_an_empty_expert_group_is_offered_the_data_devices_as_experts(experts, split):
+    """expert_exchange=all_to_all on 8 devices that only split the batch: the fix moves
+    as many data devices to an expert axis as num_experts and data have in common (all
+    8 for 64 experts, 2 for 6), and the fixed config has its expert group."""
+    over = (*DATA_ONLY, "expert_exchange=all_to_all", f"num_experts={experts}")
+    (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "EXPERT_GROUP_EMPTY"]
+    moves = [dict(x.overrides) for x in hit.fixes if "ici_expert_parallelism" in dict(x.overrides)]
+    assert moves == [{"ici_data_parallelism": 8 // split, "ici_expert_parallelism": split}]
+    fixed = typed(*over, f"ici_data_parallelism={8 // split}", f"ici_expert_parallelism={split}")
+    assert "EXPERT_GROUP_EMPTY" not in codes(selector.validate(fixed))

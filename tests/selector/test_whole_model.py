@@ -66,9 +66,52 @@ def test_qwen3_next_counted_layer_by_layer():
     assert params.total - params.attention - experts - params.moe_other == (
         2 * 151936 * 2048 + 48 * 2 * 2048 + 2048
     )
-    # The full-attention layer is the last of each cycle of 4: six layers hold one.
+    # The full-attention layer is the last of each cycle of 4: six layers hold one,
+    # three none.
     six = model_params(cfg.replace(base_num_decoder_layers=6))
     assert six.attention == full + 5 * linear
+    assert model_params(cfg.replace(base_num_decoder_layers=3)).attention == 3 * linear
+    # The shared expert's sigmoid gate (2048 -> 1) goes with the shared expert.
+    unshared = model_params(cfg.replace(shared_experts=0))
+    assert params.moe_other - unshared.moe_other == 48 * (3 * 2048 * 512 + 2048)
+
+
+def test_mixtral_counted_layer_by_layer():
+    """Mixtral-8x7B from its config.json by hand: 32 layers of grouped-query attention
+    without query or key norms (4096 -> 32 x 128 queries, 2 x 8 x 128 keys and values,
+    4096 -> 4096 out), 8 experts of 3 x 4096 x 14336 and a 4096 x 8 router each, 2 norms
+    a layer, the final norm, and an untied 32,000-word embedding and head."""
+    params = model_params(selector.to_config(selector.compose(["model=mixtral_8x7b"])))
+    attention = 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 32 * 128 * 4096
+    assert params.attention == 32 * attention
+    assert params.routed_experts == 32 * 8 * 3 * 4096 * 14336
+    assert params.active_routed == 32 * 2 * 3 * 4096 * 14336
+    assert params.moe_other == 32 * 4096 * 8
+    assert params.total - params.attention - params.routed_experts - params.moe_other == (
+        2 * 32000 * 4096 + 32 * 2 * 4096 + 4096
+    )
+
+
+def test_the_attention_peak_counted_by_hand_for_prefill():
+    """Mixtral prefill on 8 H200s, 4,096 tokens a device, no tensor or context axis:
+    one layer's attention weights gathered in bfloat16 (queries, keys, values, out), and
+    a bfloat16 row a token of its queries (4096), its context output (4096), the layer's
+    input (4096) and its keys and values (2 x 1024)."""
+    over = ["model=mixtral_8x7b", "mesh=h200_8", "mode=prefill", "per_device_batch_size=1"]
+    plan, _ = analyse(selector.to_config(selector.compose([*over, "max_target_length=4096"])))
+    weights = 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 32 * 128 * 4096
+    tokens = 4096 * (3 * 4096 + 2 * 1024)
+    assert plan.chosen_estimate.device_breakdown["attention_peak"] == 2 * (weights + tokens)
+
+
+def test_one_expert_is_a_dense_model():
+    """num_experts=1 (MaxText's spelling of a dense model): every layer is a dense MLP
+    of the same width, with no router and nothing routed."""
+    one = selector.compose(["model=mixtral_8x7b", "num_experts=1", "num_experts_per_tok=1"])
+    params = model_params(selector.to_config(one))
+    assert (params.moe_layers, params.dense_layers) == (0, 32)
+    assert params.routed_experts == params.moe_other == 0
+    assert params.dense_ffn == 32 * 3 * 4096 * 14336
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
@@ -265,6 +308,19 @@ def test_serving_holds_the_cache_and_no_training_state():
     assert parts["kv_cache"] == plan.per_device.local_batch * 4096 * 12 * 2 * 2 * 256 * 2
 
 
+def test_the_kv_cache_is_split_over_the_sequence_shards():
+    """Mixtral prefill on 8 H200s, one 8,192-token sequence a device: the cache holds
+    its keys and values (32 layers x 2 x 8 heads x 128, bf16). With cp 2 and half a
+    sequence a device, a device caches its 4,096-token shard: half."""
+    common = ["model=mixtral_8x7b", "mesh=h200_8", "mode=prefill", "max_target_length=8192"]
+    one, _ = analyse(selector.to_config(selector.compose([*common, "per_device_batch_size=1"])))
+    cp2 = [*common, "per_device_batch_size=0.5", "ici_context_parallelism=2"]
+    two, _ = analyse(selector.to_config(selector.compose([*cp2, "ici_fsdp_parallelism=4"])))
+    cache = 8192 * 32 * 2 * 8 * 128 * 2
+    assert one.chosen_estimate.device_breakdown["kv_cache"] == cache
+    assert two.chosen_estimate.device_breakdown["kv_cache"] == cache / 2
+
+
 def test_layer_weights_stored_in_float32_are_held_again_in_the_compute_dtype():
     """XLA converts the scanned layers' float32 weights to bfloat16 once, outside the
     layer loop, and holds the copy (6.96 GiB for Qwen3-30B-A3B on 8 v5p chips in
@@ -282,10 +338,10 @@ def test_layer_weights_stored_in_float32_are_held_again_in_the_compute_dtype():
     assert plan.chosen_estimate.device_breakdown["weights_cast"] == 0
 
 
-@pytest.mark.parametrize("cp", [1, 4])
+@pytest.mark.parametrize("cp", [1, 2, 4])
 def test_qwen3_next_gated_deltanet_working_set_counted_by_hand(cp):
     """Qwen3-Next on 64 v5p chips, one 4,096-token sequence a device (cp=4: four 1,024-
-    token shards), bf16 compute: the step's attention peak is the Gated DeltaNet layer's
+    token shards; any cp above 1 runs the context-parallel scan), bf16 compute: the step's attention peak is the Gated DeltaNet layer's
     backward, counted by hand from the preset's shapes (16 key heads and 32 value heads
     of 128, chunks of 64) and MaxText 0.2.5's models/qwen3.py: its weights in bf16 and
     their float32 gradient, and per token what the recomputed forward keeps for the
