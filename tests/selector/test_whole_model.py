@@ -439,6 +439,8 @@ def test_attention_holds_the_keys_and_values_its_context_strategy_gathers():
         "context_parallel_strategy=usp",
     ]
     assert gathered - peak(*usp) == 2 * shard
+    # usp without a Ulysses axis all-gathers over every context device.
+    assert peak("context_parallel_strategy=usp") == gathered
 
 
 def test_maxtext_keys_set_the_logits_dtype_and_the_context_strategy(maxtext_dir):
@@ -496,13 +498,15 @@ def test_every_remat_policy_maxtext_ships_saves_what_it_names(policy):
     assert saved == 32 * 4096 * per_token * 2
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 1536])
+@pytest.mark.parametrize("q_lora_rank", [0, 1, 1536])
 def test_mla_counted_by_hand_with_and_without_a_query_low_rank(q_lora_rank):
     """DeepSeek-V3's attention with its 1,536 query bottleneck (and the bottleneck's
-    norm), and without one (one 7168 -> 128 x 192 projection), MaxText's MLA."""
+    norm; any rank above 0 is a bottleneck, 1 too), and without one (one 7168 -> 128 x
+    192 projection), MaxText's MLA."""
     cfg = ["model=deepseek_v3", f"q_lora_rank={q_lora_rank}"]
     params = model_params(selector.to_config(selector.compose(cfg)))
-    query = 7168 * 1536 + 1536 + 1536 * 128 * 192 if q_lora_rank else 7168 * 128 * 192
+    r = q_lora_rank
+    query = 7168 * r + r + r * 128 * 192 if r else 7168 * 128 * 192
     mla = query + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
     assert params.attention == 61 * mla
 
