@@ -168,14 +168,6 @@ def workdir(part: str) -> Path:
         f"pytest_add_cli_args_test_selection = {toml_list(spec['tests'])}",
         pyproject,
     )
-    # A program compiled ahead of time for an abstract TPU or GPU (no client) is written
-    # to JAX's persistent cache but cannot be read back: jax warns and compiles it again,
-    # and the suite's `filterwarnings = error` would fail the clean run on that warning.
-    pyproject = pyproject.replace(
-        'pytest_add_cli_args = ["-p", "no:cacheprovider",',
-        'pytest_add_cli_args = ["-W", "ignore:Error reading persistent compilation cache '
-        'entry:UserWarning", "-p", "no:cacheprovider",',
-    )
     (work / "pyproject.toml").write_text(pyproject)
     return work
 

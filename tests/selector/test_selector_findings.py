@@ -555,10 +555,10 @@ def test_the_capacity_below_one_fix_is_the_least_factor_that_clears_it():
         "ici_context_parallelism=8",
         "per_device_batch_size=0.125",
     )
-    (hit,) = [f for f in selector.validate(typed(*trigger)) if f.code == "CAPACITY_BELOW_ONE"]
+    cfg = typed(*trigger)
+    (hit,) = [f for f in selector.validate(cfg) if f.code == "CAPACITY_BELOW_ONE"]
     offered = [dict(x.overrides).get("capacity_factor", -1.0) for x in hit.fixes]
     (factor,) = [f for f in offered if f > 0]  # the other fix is dropless routing (-1)
-    cfg = typed(*trigger)
     assert factor == pytest.approx(cfg.num_experts / (2 * cfg.num_experts_per_tok))
     fixed = typed(*trigger[1:], f"capacity_factor={factor}")
     assert "CAPACITY_BELOW_ONE" not in codes(selector.validate(fixed))

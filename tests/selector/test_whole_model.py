@@ -341,8 +341,8 @@ def test_layer_weights_stored_in_float32_are_held_again_in_the_compute_dtype():
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_qwen3_next_gated_deltanet_working_set_counted_by_hand(cp):
     """Qwen3-Next on 64 v5p chips, one 4,096-token sequence a device (cp=4: four 1,024-
-    token shards; any cp above 1 runs the context-parallel scan), bf16 compute: the step's attention peak is the Gated DeltaNet layer's
-    backward, counted by hand from the preset's shapes (16 key heads and 32 value heads
+    token shards; any cp above 1 runs the context-parallel scan), bf16 compute: the
+    step's attention peak is the Gated DeltaNet layer's backward, counted by hand from the preset's shapes (16 key heads and 32 value heads
     of 128, chunks of 64) and MaxText 0.2.5's models/qwen3.py: its weights in bf16 and
     their float32 gradient, and per token what the recomputed forward keeps for the
     backward plus the chunk scan's cotangents."""
