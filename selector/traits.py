@@ -80,6 +80,18 @@ class Traits:
         XLA:CPU's were not read (0: its count is the one constant below times the
         buffers counted before, and adding these took the CPU memory study's exchanged
         points further over).
+      exchange_heap: XLA:TPU's temp over the counted buffers for the exchanged
+        training block that holds its experts whole (fsdp folded into the expert group:
+        nothing gathered), as a factor, (below, at or above) the point where a round's
+        rows (G x B x M) outweigh one local expert matrix (E_c x M x H). libtpu reports
+        temp that no buffer of its dump names, or less than its buffer assignment holds
+        live; it jumps at that point. Measured on small blocks in no judge set
+        (`bench.calibration.exchange_heap`: 25 shapes on 8 to 64 v5p, E_c 4 to 32, M
+        1,024 to 4,096, H 384 to 3,072, k 2 to 8, 1,024 to 8,192 tokens a device, cp 1
+        and 2), the median of temp over the count on each side; the spread is in
+        docs/results/memory-holdout.md. Not read for the gathered or context-only
+        groups (their weights' copies dominate and the count holds alone), for the
+        serving forward, or off XLA:TPU.
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -103,6 +115,7 @@ class Traits:
     gather_relayouts: tuple[str, ...] = ("gate_up", "out")
     exchange_row_buffers: tuple[int, int] = (2, 2)
     exchange_token_buffers: int = 2
+    exchange_heap: tuple[float, float] = (1.0, 1.0)
     compiler_factor: float = 1.0
 
     @property
@@ -120,6 +133,16 @@ _XLA_GPU = Traits(
     exchange_row_buffers=(3, 4),
 )
 
+# XLA:TPU as libtpu 0.0.42 (jax 0.10) compiles; libtpu 0.0.50 (jax 0.12) changes its heap.
+_XLA_TPU = Traits(
+    fuses_weight_cast=True,
+    native_gmm="pallas_megablox",
+    ragged_dot_dense=False,
+    gather_relayouts=("out",),
+    exchange_row_buffers=(2, 3),
+    exchange_heap=(0.85, 1.40),
+)
+
 # (platform, first jax release the row holds for): the row. A platform's rows are read
 # newest first; the first whose release is not newer than the one asked for holds.
 TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
@@ -131,13 +154,8 @@ TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
         capacity_masks_compute=(1.0, 0.0),
         compiler_factor=1.45,
     ),
-    ("tpu", (0, 0)): Traits(
-        fuses_weight_cast=True,
-        native_gmm="pallas_megablox",
-        ragged_dot_dense=False,
-        gather_relayouts=("out",),
-        exchange_row_buffers=(2, 3),
-    ),
+    ("tpu", (0, 0)): _XLA_TPU,
+    ("tpu", (0, 12)): replace(_XLA_TPU, exchange_heap=(1.41, 1.63)),  # libtpu 0.0.50
     ("gpu", (0, 0)): _XLA_GPU,
     ("gpu", (0, 12)): replace(
         _XLA_GPU,

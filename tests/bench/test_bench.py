@@ -136,7 +136,7 @@ def test_the_readme_limits_quote_the_stored_results():
         f"{within[old, 'v5p']} and {within[old, 'h200']} of 40 points (jax 0.10.2), "
         f"{within[new, 'v5p']} and {within[new, 'h200']} of 40 (jax 0.12)"
     ) in readme
-    assert f"only {folded[old]} and {folded[new]} of 42" in readme
+    assert f"expert group {folded[old]} and {folded[new]} of 42" in readme
 
     judged = _stored("margins")["judged"]
     maxtext = judged["tpu/maxtext"]

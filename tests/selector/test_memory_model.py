@@ -113,8 +113,8 @@ def stored_programs():
 
 FOLDED_NOT_MET = pytest.mark.xfail(
     strict=True,
-    reason="the fsdp-folded group's training is under-counted on v5p: libtpu's heap "
-    "holds more than what lives at its peak (bench.calibration.exchange_rows)",
+    reason="34 of 42 within 20% on each stack, not 38: jax 0.10's XLA:GPU training and "
+    "jax 0.12's XLA:TPU serving forward hold what the count does not follow",
 )
 
 
@@ -469,3 +469,40 @@ def test_the_exchange_holds_the_round_buffers_its_compiler_holds(study):
         if release >= (0, 12):
             read = (read[0] - 1, read[1] - 1)
     assert held == read
+
+
+EXCHANGE_HEAP = {"exchange_heap": (0, 10), "exchange_heap_jax012": (0, 12)}  # study -> jax
+
+
+@pytest.mark.parametrize("study", sorted(EXCHANGE_HEAP))
+def test_the_exchanged_training_heap_is_its_studys_median(study):
+    """`Traits.exchange_heap` on XLA:TPU: for each side of the point where a round's rows
+    outweigh one local expert matrix, the median of XLA's temp over the count without
+    it, on the small exchanged training blocks with fsdp folded in of
+    `bench.calibration.exchange_heap` (in no judge set). With it every such block is
+    counted within 22% of the temp (the worst point: jax 0.12, E 64); without it
+    the count misses by up to 52% (jax 0.12)."""
+    from statistics import median
+
+    from bench.calibration import exchange_heap
+    from selector.memory_model import temp_bytes
+    from selector.traits import traits
+
+    release = EXCHANGE_HEAP[study]
+    payload = json.loads((RESULTS / f"{study}.json").read_text())
+    assert selector.traits.jax_release(payload["stack"].split(",")[0][4:]) == release
+    temps = {r["point"]: r["temp_mib"] * 2**20 for r in payload["rows"] if r["status"] == "ok"}
+    ratios, errors = {False: [], True: []}, []
+    for point in exchange_heap.POINTS:
+        if point[:2] != ("folded", "train"):
+            continue
+        cfg, plan, p = problem(*exchange_heap.overrides(point))
+        h = held_buffers(plan.strategy, plan.placement.exchange, p, "tpu", release)
+        above = p.group * buffer_rows(p) * p.M * p.xb >= p.E_c * p.M * p.H * p.pb
+        temp = temps[exchange_heap.label(point)]
+        ratios[above].append(temp / (h.total * traits("tpu").compiler_factor))
+        errors.append(temp_bytes(h, cfg) / temp - 1)
+    assert min(map(len, ratios.values())) >= 10  # both sides measured
+    law = traits("tpu", release).exchange_heap
+    assert law == tuple(round(median(ratios[side]), 2) for side in (False, True))
+    assert max(map(abs, errors)) <= 0.22, errors

@@ -1,0 +1,217 @@
+"""How XLA:TPU's temp for an exchanged block grows beyond what lives at its peak.
+
+libtpu reports more temp (or less) than its buffer assignment holds live at the heap's
+peak, by bytes no buffer of the dump names. This study compiles small exchanged MoE
+blocks ahead of time for v5p, one shape knob moved at a time from a base (16 chips,
+E 128, M 2,048, H 768, k 8, 2,048 tokens a device, bfloat16), each in its own process
+with `XLA_FLAGS=--xla_dump_to`, and sets the compiler's temp beside the selector's
+count, the live bytes at the peak and the buffer assignment's temp allocations.
+
+Two expert groups: `folded` (fsdp and context folded into the group: every device owns
+its experts whole) and `context` (the sequence axes alone: the weights are gathered
+over fsdp). Training (forward and backward) and the serving forward (prefill).
+
+The law read from it is `Traits.exchange_heap` (selector/traits.py); a test reads the
+stored rows. None of these programs is in a judge set (the real presets' layers of
+`memory_holdout` and `step_compile`); their shapes are not the presets'.
+
+    python -m bench.calibration.exchange_heap
+    python -m bench.calibration.exchange_heap --into exchange_heap_jax012   # jax 0.12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from bench.common import RESULTS, dumped_worker_row, save, stack, table
+
+MIB = 2**20
+GROUPS = {"folded": "expert_sequence_and_fsdp", "context": "expert_and_sequence"}
+BASE = {"devices": 16, "cp": 1, "E": 128, "M": 2048, "H": 768, "k": 8, "tokens": 2048}
+
+
+def _moved(**knobs) -> dict:
+    return {**BASE, **knobs}
+
+
+# (name, shape) per point: one knob moved at a time from BASE.
+_SHAPES = (
+    ("base", _moved()),
+    *((f"tokens{t}", _moved(tokens=t)) for t in (1024, 1280, 1536, 1792, 4096, 8192)),
+    *((f"H{h}", _moved(H=h)) for h in (384, 1024, 1280, 1536, 3072)),
+    *((f"E{e}", _moved(E=e)) for e in (64, 256, 512)),
+    *((f"M{m}", _moved(M=m)) for m in (1024, 4096)),
+    *((f"k{k}", _moved(k=k)) for k in (2, 4)),
+    *((f"devices{d}", _moved(devices=d)) for d in (8, 32)),
+    ("devices64_E256", _moved(devices=64, E=256)),
+    ("devices64_E256_tokens8192", _moved(devices=64, E=256, tokens=8192)),
+    ("cp2", _moved(cp=2)),
+    ("cp2_tokens1024", _moved(cp=2, tokens=1024)),
+)
+_CONTEXT_SHAPES = tuple(
+    (f"cp{cp}_{name}", {**shape, "cp": cp})
+    for cp in (2, 4)
+    for name, shape in (
+        ("base", _moved()),
+        ("tokens1024", _moved(tokens=1024)),
+        ("tokens4096", _moved(tokens=4096)),
+        ("H384", _moved(H=384)),
+        ("E64", _moved(E=64)),
+        ("k2", _moved(k=2)),
+    )
+)
+_PREFILL_SHAPES = tuple(
+    (name, shape)
+    for name, shape in _SHAPES
+    if name
+    in ("base", "tokens1024", "tokens4096", "tokens8192", "H384", "H3072", "E64")
+    + ("E512", "M1024", "M4096", "k2", "devices64_E256", "cp2")
+)
+POINTS = (
+    *(("folded", "train", name, shape) for name, shape in _SHAPES),
+    *(("context", "train", name, shape) for name, shape in _CONTEXT_SHAPES),
+    *(("folded", "prefill", name, shape) for name, shape in _PREFILL_SHAPES),
+)
+COLUMNS = [
+    ("point", "point"),
+    ("round_mib", "round buffer R MiB"),
+    ("weights_mib", "local experts W MiB"),
+    ("live_mib", "live at the peak MiB"),
+    ("alloc_mib", "temp allocated MiB"),
+    ("temp_mib", "XLA temp MiB"),
+    ("count_mib", "count MiB"),
+    ("error", "count error"),
+]
+
+
+def label(point) -> str:
+    group, mode, name, _ = point
+    return f"{group} {mode} {name}"
+
+
+def overrides(point) -> list[str]:
+    group, mode, _, s = point
+    fsdp = s["devices"] // s["cp"]
+    return [
+        "model=qwen3_30b_a3b",  # its routing and norms; every size below is overridden
+        "hardware=v5p",
+        f"num_devices={s['devices']}",
+        "num_slices=1",
+        f"ici_fsdp_parallelism={fsdp}",
+        f"ici_context_parallelism={s['cp']}",
+        f"per_device_batch_size={1 / s['cp']}",
+        f"max_target_length={s['tokens'] * s['cp']}",
+        f"mode={mode}",
+        "dispatch=megablox",
+        "expert_exchange=all_to_all",
+        f"expert_group={GROUPS[group]}",
+        "dtype=bfloat16",
+        "param_dtype=bfloat16",
+        "hardware.memory_gib=1000000",
+        f"num_experts={s['E']}",
+        f"base_emb_dim={s['M']}",
+        f"base_moe_mlp_dim={s['H']}",
+        f"num_experts_per_tok={s['k']}",
+    ]
+
+
+def worker(index: int) -> None:
+    import selector
+    from bench.calibration.dump_peak import allocations, live_peak
+    from checks.compiled import compile_plan
+    from selector import targets
+    from selector.problem import buffer_rows, problem_shape
+
+    point = POINTS[index]
+    cfg = selector.compose(overrides(point))
+    plan = selector.resolve(cfg)
+    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    _, program, _, _ = compile_plan(cfg, plan, targets.Target("v5p", plan.mesh.num_devices))
+    temp = program.memory_analysis().temp_size_in_bytes
+    dump = Path(os.environ["EXCHANGE_HEAP_DUMP"])
+    (assignment,) = dump.glob("*after_optimizations-buffer-assignment.txt")
+    (ranges,) = dump.glob("*after_optimizations-live-range.txt")
+    alloc = allocations(assignment.read_text())
+    count = plan.chosen_estimate.memory.temp
+    print(
+        json.dumps(
+            {
+                "point": label(point),
+                "group": point[0],
+                "mode": point[1],
+                "round_mib": p.group * buffer_rows(p) * p.M * p.xb / MIB,
+                "weights_mib": p.E_c * 3 * p.M * p.H * p.pb / MIB,
+                "live_mib": (live_peak(ranges.read_text()) - alloc["parameters"]) / MIB,
+                "alloc_mib": alloc["temp"] / MIB,
+                "temp_mib": temp / MIB,
+                "count_mib": count / MIB,
+                "error": f"{count / temp - 1:+.1%}",
+                "status": "ok",
+            }
+        )
+    )
+
+
+def plot(payload: dict):
+    from bench.common import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for group, mode in (("folded", "train"), ("context", "train"), ("folded", "prefill")):
+        rows = [
+            r
+            for r in payload["rows"]
+            if r.get("status") == "ok" and (r["group"], r["mode"]) == (group, mode)
+        ]
+        ax.scatter(
+            [r["round_mib"] / r["weights_mib"] for r in rows],
+            [r["temp_mib"] / r["count_mib"] for r in rows],
+            label=f"{group} {mode}",
+        )
+    ax.axvline(1 / 3, color="gray", lw=0.8, ls=":")
+    ax.set(
+        xscale="log",
+        xlabel="round buffer R / local experts' weights W",
+        ylabel="XLA temp / count",
+    )
+    ax.set_title(f"exchanged blocks on v5p ({payload['stack']})", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--into", default="exchange_heap", help="the result file's name")
+    parser.add_argument("--resume", action="store_true", help="keep the stored rows that ran")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker)
+        return
+    stored = RESULTS / f"{args.into}.json"
+    kept = {}
+    if args.resume and stored.exists():
+        kept = {
+            r["point"]: r for r in json.loads(stored.read_text())["rows"] if r.get("status") == "ok"
+        }
+    rows = []
+    for index, point in enumerate(POINTS):
+        if label(point) in kept:
+            rows.append(kept[label(point)])
+            continue
+        cmd = [sys.executable, "-m", "bench.calibration.exchange_heap", "--worker", str(index)]
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        row = dumped_worker_row(label(point), cmd, 900, "EXCHANGE_HEAP_DUMP", env=env)
+        rows.append(row)
+        print(row.get("point"), row.get("error", row.get("status")), flush=True)
+    print(table([r for r in rows if r.get("status") == "ok"], COLUMNS))
+    payload = {"stack": stack(), "rows": rows}
+    print("wrote", *save(args.into, payload, plot(payload)))
+
+
+if __name__ == "__main__":
+    main()
