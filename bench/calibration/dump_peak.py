@@ -25,6 +25,7 @@ from bench.common import last_json_line
 from checks import maxtext_step
 
 GIB = 1024**3
+MIB = 2**20
 
 
 def allocations(buffer_assignment: str) -> dict[str, int]:
@@ -42,6 +43,26 @@ def live_peak(live_range: str) -> int:
     """Bytes live at the heap simulator's peak, parameters included."""
     m = re.search(r"Stack trace breakdown for peak usage: ([\d ]+) bytes", live_range)
     return int(m.group(1).replace(" ", "")) if m else 0
+
+
+def block_peak(dump: Path, temp: int, count: float) -> tuple[dict, str]:
+    """One compiled block's row fields from its dump folder (one module's buffer
+    assignment and live ranges): the live bytes at the peak (parameters left out), the
+    temp allocations, XLA's `temp` and the selector's `count`, in MiB; and the
+    live-range text."""
+    (assignment,) = dump.glob("*after_optimizations-buffer-assignment.txt")
+    (ranges,) = dump.glob("*after_optimizations-live-range.txt")
+    alloc = allocations(assignment.read_text())
+    live_range = ranges.read_text()
+    fields = {
+        "live_mib": (live_peak(live_range) - alloc["parameters"]) / MIB,
+        "alloc_mib": alloc["temp"] / MIB,
+        "temp_mib": temp / MIB,
+        "count_mib": count / MIB,
+        "error": f"{count / temp - 1:+.1%}",
+        "status": "ok",
+    }
+    return fields, live_range
 
 
 def _one(dump: Path, suffix: str) -> Path:

@@ -121,7 +121,7 @@ def overrides(point) -> list[str]:
 
 def worker(index: int) -> None:
     import selector
-    from bench.calibration.dump_peak import allocations, live_peak
+    from bench.calibration.dump_peak import block_peak
     from checks.compiled import compile_plan
     from selector import targets
     from selector.problem import buffer_rows, problem_shape
@@ -133,27 +133,15 @@ def worker(index: int) -> None:
     _, program, _, _ = compile_plan(cfg, plan, targets.Target("v5p", plan.mesh.num_devices))
     temp = program.memory_analysis().temp_size_in_bytes
     dump = Path(os.environ["EXCHANGE_HEAP_DUMP"])
-    (assignment,) = dump.glob("*after_optimizations-buffer-assignment.txt")
-    (ranges,) = dump.glob("*after_optimizations-live-range.txt")
-    alloc = allocations(assignment.read_text())
-    count = plan.chosen_estimate.memory.temp
-    print(
-        json.dumps(
-            {
-                "point": label(point),
-                "group": point[0],
-                "mode": point[1],
-                "round_mib": p.group * buffer_rows(p) * p.M * p.xb / MIB,
-                "weights_mib": p.E_c * 3 * p.M * p.H * p.pb / MIB,
-                "live_mib": (live_peak(ranges.read_text()) - alloc["parameters"]) / MIB,
-                "alloc_mib": alloc["temp"] / MIB,
-                "temp_mib": temp / MIB,
-                "count_mib": count / MIB,
-                "error": f"{count / temp - 1:+.1%}",
-                "status": "ok",
-            }
-        )
-    )
+    fields, _ = block_peak(dump, temp, plan.chosen_estimate.memory.temp)
+    shape = {
+        "point": label(point),
+        "group": point[0],
+        "mode": point[1],
+        "round_mib": p.group * buffer_rows(p) * p.M * p.xb / MIB,
+        "weights_mib": p.E_c * 3 * p.M * p.H * p.pb / MIB,
+    }
+    print(json.dumps({**shape, **fields}))
 
 
 def plot(payload: dict):

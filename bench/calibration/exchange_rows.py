@@ -88,7 +88,7 @@ def round_buffers(sizes: list[int], round_bytes: int) -> int:
 
 def worker(chip: str, index: int) -> None:
     import selector
-    from bench.calibration.dump_peak import allocations, live_peak
+    from bench.calibration.dump_peak import block_peak
     from checks.compiled import compile_plan
     from selector import targets
     from selector.problem import buffer_rows, problem_shape
@@ -100,28 +100,15 @@ def worker(chip: str, index: int) -> None:
     round_bytes = int(p.group * buffer_rows(p) * p.M * p.xb)
     _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, point[0]))
     temp = program.memory_analysis().temp_size_in_bytes
-    dump = os.environ["EXCHANGE_DUMP"]
-    (assignment,) = Path(dump).glob("*after_optimizations-buffer-assignment.txt")
-    (ranges,) = Path(dump).glob("*after_optimizations-live-range.txt")
-    alloc = allocations(assignment.read_text())
-    live_range = ranges.read_text()
-    count = plan.chosen_estimate.memory.temp
-    print(
-        json.dumps(
-            {
-                "point": label(chip, point),
-                "mode": point[4],
-                "round_mib": round_bytes / MIB,
-                "round_buffers": round_buffers(peak_buffers(live_range), round_bytes),
-                "live_mib": (live_peak(live_range) - alloc["parameters"]) / MIB,
-                "alloc_mib": alloc["temp"] / MIB,
-                "temp_mib": temp / MIB,
-                "count_mib": count / MIB,
-                "error": f"{count / temp - 1:+.1%}",
-                "status": "ok",
-            }
-        )
-    )
+    dump = Path(os.environ["EXCHANGE_DUMP"])
+    fields, live_range = block_peak(dump, temp, plan.chosen_estimate.memory.temp)
+    shape = {
+        "point": label(chip, point),
+        "mode": point[4],
+        "round_mib": round_bytes / MIB,
+        "round_buffers": round_buffers(peak_buffers(live_range), round_bytes),
+    }
+    print(json.dumps({**shape, **fields}))
 
 
 def plot(payload: dict):
