@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
-from .problem import DeviceProblem, buffer_rows
+from .problem import DeviceProblem, buffer_rows, round_buffer_bytes
 from .traits import NEWEST_TESTED_JAX, traits
 
 ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
@@ -156,8 +156,8 @@ def held_buffers(
     heap = 1.0
     if p.train and exchanged and p.gathered == 1:
         below, above = compiler.exchange_heap
-        round_bytes = p.group * buffer_rows(p) * p.M * p.xb
-        heap = above if round_bytes >= p.E_c * p.M * p.H * p.pb else below
+        # `routed` holds the three local matrices: the jump is at one of them.
+        heap = above if 3 * round_buffer_bytes(p) >= routed * p.pb else below
     return HeldBuffers(weights, gradients, activations, masks, heap)
 
 
@@ -176,8 +176,8 @@ def activation_bytes(
     beside += p.T * p.E * ROUTER_BYTES
     if strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
         b = buffer_rows(p)
-        rows = round_buffers * p.group * b * p.M + token_buffers * p.T * p.M
-        return (rows + 2 * b * p.H) * p.xb + beside
+        rounds = round_buffers * round_buffer_bytes(p)
+        return rounds + (token_buffers * p.T * p.M + 2 * b * p.H) * p.xb + beside
     if strategy is Dispatch.megablox:
         return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
     if strategy is Dispatch.dense:

@@ -188,6 +188,11 @@ def buffer_rows(p: DeviceProblem) -> float:
     return exchange_buffer_rows(p.T * p.k, p.group, p.buffer_factor)
 
 
+def round_buffer_bytes(p: DeviceProblem) -> float:
+    """Bytes of one of the exchange's (G, B, M) round buffers in the compute dtype."""
+    return p.group * buffer_rows(p) * p.M * p.xb
+
+
 @functools.lru_cache(maxsize=1024)
 def kernel_rows_uniform(
     kernel: str, routed: int, experts: int, group: int, buffer: int, tm: int = 128

@@ -64,13 +64,11 @@ _CONTEXT_SHAPES = tuple(
         ("k2", _moved(k=2)),
     )
 )
-_PREFILL_SHAPES = tuple(
-    (name, shape)
-    for name, shape in _SHAPES
-    if name
-    in ("base", "tokens1024", "tokens4096", "tokens8192", "H384", "H3072", "E64")
-    + ("E512", "M1024", "M4096", "k2", "devices64_E256", "cp2")
-)
+_PREFILL_NAMES = (
+    "base", "tokens1024", "tokens4096", "tokens8192", "H384", "H3072", "E64", "E512",
+    "M1024", "M4096", "k2", "devices64_E256", "cp2",
+)  # fmt: skip
+_PREFILL_SHAPES = tuple((name, shape) for name, shape in _SHAPES if name in _PREFILL_NAMES)
 POINTS = (
     *(("folded", "train", name, shape) for name, shape in _SHAPES),
     *(("context", "train", name, shape) for name, shape in _CONTEXT_SHAPES),
@@ -124,7 +122,8 @@ def worker(index: int) -> None:
     from bench.calibration.dump_peak import block_peak
     from checks.compiled import compile_plan
     from selector import targets
-    from selector.problem import buffer_rows, problem_shape
+    from selector.memory_model import routed_weight_elements
+    from selector.problem import problem_shape, round_buffer_bytes
 
     point = POINTS[index]
     cfg = selector.compose(overrides(point))
@@ -138,8 +137,8 @@ def worker(index: int) -> None:
         "point": label(point),
         "group": point[0],
         "mode": point[1],
-        "round_mib": p.group * buffer_rows(p) * p.M * p.xb / MIB,
-        "weights_mib": p.E_c * 3 * p.M * p.H * p.pb / MIB,
+        "round_mib": round_buffer_bytes(p) / MIB,
+        "weights_mib": routed_weight_elements(plan.strategy, p) * p.pb / MIB,
     }
     print(json.dumps({**shape, **fields}))
 

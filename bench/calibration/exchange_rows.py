@@ -91,13 +91,13 @@ def worker(chip: str, index: int) -> None:
     from bench.calibration.dump_peak import block_peak
     from checks.compiled import compile_plan
     from selector import targets
-    from selector.problem import buffer_rows, problem_shape
+    from selector.problem import problem_shape, round_buffer_bytes
 
     point = POINTS[chip][index]
     cfg = selector.compose(overrides(chip, point))
     plan = selector.resolve(cfg)
     p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
-    round_bytes = int(p.group * buffer_rows(p) * p.M * p.xb)
+    round_bytes = int(round_buffer_bytes(p))
     _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, point[0]))
     temp = program.memory_analysis().temp_size_in_bytes
     dump = Path(os.environ["EXCHANGE_DUMP"])

@@ -490,16 +490,17 @@ def test_the_exchanged_training_heap_is_its_studys_median(study):
 
     release = EXCHANGE_HEAP[study]
     payload = json.loads((RESULTS / f"{study}.json").read_text())
-    assert selector.traits.jax_release(payload["stack"].split(",")[0][4:]) == release
-    temps = {r["point"]: r["temp_mib"] * 2**20 for r in payload["rows"] if r["status"] == "ok"}
+    assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
+    rows = {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
     ratios, errors = {False: [], True: []}, []
     for point in exchange_heap.POINTS:
         if point[:2] != ("folded", "train"):
             continue
         cfg, plan, p = problem(*exchange_heap.overrides(point))
         h = held_buffers(plan.strategy, plan.placement.exchange, p, "tpu", release)
-        above = p.group * buffer_rows(p) * p.M * p.xb >= p.E_c * p.M * p.H * p.pb
-        temp = temps[exchange_heap.label(point)]
+        row = rows[exchange_heap.label(point)]
+        above = 3 * row["round_mib"] >= row["weights_mib"]  # the side the study recorded
+        temp = row["temp_mib"] * 2**20
         ratios[above].append(temp / (h.total * traits("tpu").compiler_factor))
         errors.append(temp_bytes(h, cfg) / temp - 1)
     assert min(map(len, ratios.values())) >= 10  # both sides measured
