@@ -7,7 +7,9 @@ one constant per compiler (`Traits.compiler_factor`) scales the count to the com
 XLA:TPU's heap for the exchanged training block that holds its experts whole is a
 measured law of its own (`Traits.exchange_heap`, measured on small blocks in no judge
 set): a factor on each side of the point where a round's rows outweigh one local
-expert matrix.
+expert matrix. Its serving forward's is another (`Traits.exchange_serving_heap`): a
+factor inside and outside a window of round-buffer sizes where libtpu 0.0.50 holds
+about two round buffers more.
 
 What the peak holds, per program (bytes; letters as in `selector.problem`):
 
@@ -68,7 +70,8 @@ class HeldBuffers:
     # capacity_masks_*), read in buffer assignments: not scaled by the compiler factor.
     masks: float = 0.0
     # What the compiler's heap holds over the counted buffers, as a factor
-    # (`Traits.exchange_heap`: the exchanged training block that holds its experts whole).
+    # (`Traits.exchange_heap` and `exchange_serving_heap`: the exchanged block that holds
+    # its experts whole, training and serving).
     heap: float = 1.0
 
     @property
@@ -158,6 +161,11 @@ def held_buffers(
         below, above = compiler.exchange_heap
         # `routed` holds the three local matrices: the jump is at one of them.
         heap = above if 3 * round_buffer_bytes(p) >= routed * p.pb else below
+    elif exchanged and p.gathered == 1:
+        outside, inside = compiler.exchange_serving_heap
+        low, high, tokens_below = compiler.exchange_serving_window
+        window = low <= round_buffer_bytes(p) < high and p.T * p.M * p.xb < tokens_below
+        heap = inside if window and (p.shared_gate or not p.Hs) else outside
     return HeldBuffers(weights, gradients, activations, masks, heap)
 
 

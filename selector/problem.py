@@ -77,6 +77,7 @@ class DeviceProblem:
     hidden_shards: int = 1
     hidden_dcn: int = 1
     kernel: str = "tiled_gmm"  # the grouped-matmul backend (gmm_backend)
+    shared_gate: bool = False  # the shared experts' output scaled by a sigmoid gate
     embed_gathered: int = 1  # devices the weights' embed dim is gathered from
     relayouts: tuple[str, ...] = ()  # matrices relaid around that gather (Traits)
     # The grouped matmul's tiling (megablox; `tile` is its tm) and the tiles priced.
@@ -131,6 +132,7 @@ def problem_shape(
         hidden_shards=mesh.product(place.hidden_axes),
         hidden_dcn=mesh.dcn_product(place.hidden_axes),
         kernel=gmm_backend(cfg),
+        shared_gate=cfg.shared_expert_gate and cfg.shared_experts > 0,
         embed_gathered=mesh.product(place.embed_axes),
         relayouts=traits(
             cfg.hardware.platform, jax_release(cfg.hardware.jax_version)

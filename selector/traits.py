@@ -92,6 +92,20 @@ class Traits:
         docs/results/memory-holdout.md. Not read for the gathered or context-only
         groups (their weights' copies dominate and the count holds alone), for the
         serving forward, or off XLA:TPU.
+      exchange_serving_heap: XLA:TPU's temp over the counted buffers for the exchanged
+        serving forward that holds its experts whole, as a factor, (outside, inside) the
+        window below. Measured on small blocks in no judge set
+        (`bench.calibration.exchange_heap`: 34 forwards on 8 to 64 v5p, E_c 2 to 32, M
+        1,024 to 4,096, H 384 to 3,072, k 2 to 16, 1,024 to 8,192 tokens a device, a
+        shared expert bare and gated), the median of temp over the count on each side.
+        libtpu 0.0.42 holds what is counted (every point within 15%: 1, 1); libtpu
+        0.0.50 holds about two round buffers more inside the window.
+      exchange_serving_window: where that forward's temp jumps, as bytes (a round
+        buffer from, a round buffer below, the (T, M) tokens below): the study's edges,
+        the round buffer between 31.5 and 36 MiB and between 63 and 72 MiB, the tokens
+        between 14 and 16 MiB. A shared expert without a gate closes the window (one
+        point: in the window's range, it compiled to the outside factor). (0, 0, 0): no
+        window.
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -116,6 +130,8 @@ class Traits:
     exchange_row_buffers: tuple[int, int] = (2, 2)
     exchange_token_buffers: int = 2
     exchange_heap: tuple[float, float] = (1.0, 1.0)
+    exchange_serving_heap: tuple[float, float] = (1.0, 1.0)
+    exchange_serving_window: tuple[float, float, float] = (0.0, 0.0, 0.0)
     compiler_factor: float = 1.0
 
     @property
@@ -155,7 +171,12 @@ TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
         compiler_factor=1.45,
     ),
     ("tpu", (0, 0)): _XLA_TPU,
-    ("tpu", (0, 12)): replace(_XLA_TPU, exchange_heap=(1.41, 1.63)),  # libtpu 0.0.50
+    ("tpu", (0, 12)): replace(  # libtpu 0.0.50
+        _XLA_TPU,
+        exchange_heap=(1.41, 1.63),
+        exchange_serving_heap=(1.30, 2.16),
+        exchange_serving_window=(32 * 2**20, 64 * 2**20, 16 * 2**20),
+    ),
     ("gpu", (0, 0)): _XLA_GPU,
     ("gpu", (0, 12)): replace(
         _XLA_GPU,

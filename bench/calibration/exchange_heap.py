@@ -68,7 +68,26 @@ _PREFILL_NAMES = (
     "base", "tokens1024", "tokens4096", "tokens8192", "H384", "H3072", "E64", "E512",
     "M1024", "M4096", "k2", "devices64_E256", "cp2",
 )  # fmt: skip
-_PREFILL_SHAPES = tuple((name, shape) for name, shape in _SHAPES if name in _PREFILL_NAMES)
+# The serving forward's window on libtpu 0.0.50 (2026-12-05): finer steps around the
+# base in tokens, k and M, and pairs that hold T x M or T x k at the base's value.
+_PREFILL_SWEEP = (
+    *((f"tokens{t}", _moved(tokens=t)) for t in (1536, 1792, 2304, 2560, 3072, 3584)),
+    *((f"k{k}", _moved(k=k)) for k in (4, 6, 10, 12)),
+    *((f"M{m}", _moved(M=m)) for m in (1536, 2560, 3072)),
+    ("tokens4096_M1024", _moved(tokens=4096, M=1024)),
+    ("tokens1024_M4096", _moved(tokens=1024, M=4096)),
+    ("tokens1024_k16", _moved(tokens=1024, k=16)),
+    ("tokens4096_k4", _moved(tokens=4096, k=4)),
+    # a shared expert beside the routed ones (H wide), bare and behind a sigmoid gate
+    ("shared", _moved(shared=1)),
+    ("shared_gate", _moved(shared=2)),
+    ("k10_shared_gate", _moved(k=10, shared=2)),
+    ("tokens4096_shared", _moved(tokens=4096, shared=1)),
+)
+_PREFILL_SHAPES = (
+    *((name, shape) for name, shape in _SHAPES if name in _PREFILL_NAMES),
+    *((name, shape) for name, shape in _PREFILL_SWEEP if name not in _PREFILL_NAMES),
+)
 POINTS = (
     *(("folded", "train", name, shape) for name, shape in _SHAPES),
     *(("context", "train", name, shape) for name, shape in _CONTEXT_SHAPES),
@@ -114,6 +133,8 @@ def overrides(point) -> list[str]:
         f"base_emb_dim={s['M']}",
         f"base_moe_mlp_dim={s['H']}",
         f"num_experts_per_tok={s['k']}",
+        *(["shared_experts=1"] if s.get("shared") else []),
+        *(["shared_expert_gate=true"] if s.get("shared") == 2 else []),
     ]
 
 
