@@ -4,12 +4,12 @@ Nothing here is fitted per program. Each program's peak is counted from what the
 allocate (layers/: the dispatch's activations, the weights' compute copies, the weight
 gradients before they leave the block), in the dtypes the compiler keeps them in, and
 one constant per compiler (`Traits.compiler_factor`) scales the count to the compiler's temp.
-XLA:TPU's heap for the exchanged training block that holds its experts whole is a
-measured law of its own (`Traits.exchange_heap`, measured on small blocks in no judge
-set): a factor on each side of the point where a round's rows outweigh one local
-expert matrix. Its serving forward's is another (`Traits.exchange_serving_heap`): a
-factor inside and outside a window of round-buffer sizes where libtpu 0.0.50 holds
-about two round buffers more.
+The compiler's heap for the exchanged training block that holds its experts whole (more
+than one) is a measured law of its own (`Traits.exchange_heap`, measured on small
+blocks in no judge set, XLA:TPU and XLA:GPU): a factor on each side of the point where
+a round's rows outweigh one local expert matrix. The same block's serving forward on
+XLA:TPU has another (`Traits.exchange_serving_heap`): a factor inside and outside a
+window of round-buffer sizes where libtpu 0.0.50 holds about two round buffers more.
 
 What the peak holds, per program (bytes; letters as in `selector.problem`):
 
@@ -159,8 +159,10 @@ def held_buffers(
     heap = 1.0
     if p.train and exchanged and p.gathered == 1:
         below, above = compiler.exchange_heap
-        # `routed` holds the three local matrices: the jump is at one of them.
-        heap = above if 3 * round_buffer_bytes(p) >= routed * p.pb else below
+        # `routed` holds the three local matrices: the jump is at one of them. With one
+        # local expert XLA:GPU holds what is counted (its study); no TPU point had one.
+        if p.E_c > 1:
+            heap = above if 3 * round_buffer_bytes(p) > routed * p.pb else below
     elif exchanged and p.gathered == 1:
         outside, inside = compiler.exchange_serving_heap
         low, high, tokens_below = compiler.exchange_serving_window

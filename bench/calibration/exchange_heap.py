@@ -1,4 +1,4 @@
-"""How XLA:TPU's temp for an exchanged block grows beyond what lives at its peak.
+"""How XLA's temp for an exchanged block grows beyond what lives at its peak.
 
 libtpu reports more temp (or less) than its buffer assignment holds live at the heap's
 peak, by bytes no buffer of the dump names. This study compiles small exchanged MoE
@@ -11,12 +11,17 @@ Two expert groups: `folded` (fsdp and context folded into the group: every devic
 its experts whole) and `context` (the sequence axes alone: the weights are gathered
 over fsdp). Training (forward and backward) and the serving forward (prefill).
 
-The law read from it is `Traits.exchange_heap` (selector/traits.py); a test reads the
-stored rows. None of these programs is in a judge set (the real presets' layers of
-`memory_holdout` and `step_compile`); their shapes are not the presets'.
+`--chip h200` compiles the folded training block for one node of 8 H200 (XLA:GPU)
+from a base of 8 devices and E 64, the same knobs moved.
+
+The laws read from it are `Traits.exchange_heap` and `exchange_serving_heap`
+(selector/traits.py); tests read the stored rows. None of these programs is in a judge
+set (the real presets' layers of `memory_holdout` and `step_compile`): the base's layer
+dims are Qwen3-30B-A3B's (E 128, M 2,048, H 768, k 8), on other chip counts.
 
     python -m bench.calibration.exchange_heap
     python -m bench.calibration.exchange_heap --into exchange_heap_jax012   # jax 0.12
+    python -m bench.calibration.exchange_heap --chip h200 [--into exchange_heap_h200_jax012]
 """
 
 from __future__ import annotations
@@ -93,6 +98,38 @@ POINTS = (
     *(("context", "train", name, shape) for name, shape in _CONTEXT_SHAPES),
     *(("folded", "prefill", name, shape) for name, shape in _PREFILL_SHAPES),
 )
+# One node of 8 H200 (XLA:GPU), training with fsdp folded in. E 64 (E_c 8): with E 128
+# the base would be, device for device, the judge set's Qwen3-30B-A3B layer at cp 4.
+# E 8 and 16 give one and two local experts (Mixtral's E_c at cp 4).
+H200_BASE = {**BASE, "chip": "h200", "devices": 8, "E": 64}
+
+
+def _h200(**knobs) -> dict:
+    return {**H200_BASE, **knobs}
+
+
+H200_POINTS = tuple(
+    ("folded", "train", f"h200 {name}", shape)
+    for name, shape in (
+        ("base", _h200()),
+        *((f"tokens{t}", _h200(tokens=t)) for t in (1024, 1536, 3072, 4096, 8192)),
+        *((f"H{h}", _h200(H=h)) for h in (384, 1536, 3072)),
+        *((f"E{e}", _h200(E=e)) for e in (8, 16, 32, 96, 256, 512)),
+        ("E8_H3072", _h200(E=8, H=3072)),
+        ("E8_M4096", _h200(E=8, M=4096)),
+        *((f"M{m}", _h200(M=m)) for m in (1024, 4096)),
+        *((f"k{k}", _h200(k=k)) for k in (2, 4)),
+        ("devices4", _h200(devices=4)),
+        ("cp2", _h200(cp=2)),
+        ("cp4", _h200(cp=4)),
+        ("cp2_tokens4096", _h200(cp=2, tokens=4096)),
+        # one local expert, wide: H toward Mixtral's (its layer is in the judge set)
+        *((f"E8_H{h}", _h200(E=8, H=h)) for h in (6144, 12288)),
+        ("E8_k2_M4096_H12288", _h200(E=8, k=2, M=4096, H=12288)),
+        ("E8_k2_M4096_H6144_tokens4096", _h200(E=8, k=2, M=4096, H=6144, tokens=4096)),
+    )
+)
+CHIPS = {"v5p": POINTS, "h200": H200_POINTS}
 COLUMNS = [
     ("point", "point"),
     ("round_mib", "round buffer R MiB"),
@@ -115,7 +152,7 @@ def overrides(point) -> list[str]:
     fsdp = s["devices"] // s["cp"]
     return [
         "model=qwen3_30b_a3b",  # its routing and norms; every size below is overridden
-        "hardware=v5p",
+        f"hardware={s.get('chip', 'v5p')}",
         f"num_devices={s['devices']}",
         "num_slices=1",
         f"ici_fsdp_parallelism={fsdp}",
@@ -138,7 +175,7 @@ def overrides(point) -> list[str]:
     ]
 
 
-def worker(index: int) -> None:
+def worker(chip: str, index: int) -> None:
     import selector
     from bench.calibration.dump_peak import block_peak
     from checks.compiled import compile_plan
@@ -146,11 +183,11 @@ def worker(index: int) -> None:
     from selector.memory_model import routed_weight_elements
     from selector.problem import problem_shape, round_buffer_bytes
 
-    point = POINTS[index]
+    point = CHIPS[chip][index]
     cfg = selector.compose(overrides(point))
     plan = selector.resolve(cfg)
     p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
-    _, program, _, _ = compile_plan(cfg, plan, targets.Target("v5p", plan.mesh.num_devices))
+    _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, plan.mesh.num_devices))
     temp = program.memory_analysis().temp_size_in_bytes
     dump = Path(os.environ["EXCHANGE_HEAP_DUMP"])
     fields, _ = block_peak(dump, temp, plan.chosen_estimate.memory.temp)
@@ -186,39 +223,43 @@ def plot(payload: dict):
         xlabel="round buffer R / local experts' weights W",
         ylabel="XLA temp / count",
     )
-    ax.set_title(f"exchanged blocks on v5p ({payload['stack']})", fontsize=9)
+    chip = payload.get("chip", "v5p")
+    ax.set_title(f"exchanged blocks on {chip} ({payload['stack']})", fontsize=9)
     ax.legend(fontsize=8)
     return fig
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--into", default="exchange_heap", help="the result file's name")
+    parser.add_argument("--chip", choices=sorted(CHIPS), default="v5p")
+    parser.add_argument("--into", help="the result file's name (exchange_heap[_CHIP])")
     parser.add_argument("--resume", action="store_true", help="keep the stored rows that ran")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker(args.worker)
+        worker(args.chip, args.worker)
         return
-    stored = RESULTS / f"{args.into}.json"
+    into = args.into or ("exchange_heap" if args.chip == "v5p" else f"exchange_heap_{args.chip}")
+    stored = RESULTS / f"{into}.json"
     kept = {}
     if args.resume and stored.exists():
         kept = {
             r["point"]: r for r in json.loads(stored.read_text())["rows"] if r.get("status") == "ok"
         }
     rows = []
-    for index, point in enumerate(POINTS):
+    for index, point in enumerate(CHIPS[args.chip]):
         if label(point) in kept:
             rows.append(kept[label(point)])
             continue
-        cmd = [sys.executable, "-m", "bench.calibration.exchange_heap", "--worker", str(index)]
+        cmd = [sys.executable, "-m", "bench.calibration.exchange_heap", "--chip", args.chip]
+        cmd += ["--worker", str(index)]
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         row = dumped_worker_row(label(point), cmd, 900, "EXCHANGE_HEAP_DUMP", env=env)
         rows.append(row)
         print(row.get("point"), row.get("error", row.get("status")), flush=True)
     print(table([r for r in rows if r.get("status") == "ok"], COLUMNS))
-    payload = {"stack": stack(), "rows": rows}
-    print("wrote", *save(args.into, payload, plot(payload)))
+    payload = {"chip": args.chip, "stack": stack(), "rows": rows}
+    print("wrote", *save(into, payload, plot(payload)))
 
 
 if __name__ == "__main__":
