@@ -157,17 +157,19 @@ def held_buffers(
         per_element += p.xb * compiler.capacity_masks_compute[held]
         masks = p.T * p.E * p.C * per_element
     heap = 1.0
-    if p.train and exchanged and p.gathered == 1:
-        below, above = compiler.exchange_heap
-        # `routed` holds the three local matrices: the jump is at one of them. With one
-        # local expert XLA:GPU holds what is counted (its study); no TPU point had one.
-        if p.E_c > 1:
-            heap = above if 3 * round_buffer_bytes(p) > routed * p.pb else below
-    elif exchanged and p.gathered == 1:
-        outside, inside = compiler.exchange_serving_heap
-        low, high, tokens_below = compiler.exchange_serving_window
-        window = low <= round_buffer_bytes(p) < high and p.T * p.M * p.xb < tokens_below
-        heap = inside if window and (p.shared_gate or not p.Hs) else outside
+    if exchanged and p.gathered == 1:  # the experts held whole: the compilers' heap laws
+        round_bytes = round_buffer_bytes(p)
+        if p.train and p.E_c > 1:
+            # `routed` holds the three local matrices: the jump is at one of them. With one
+            # local expert XLA:GPU holds what is counted (its study); no TPU point had one.
+            below, above = compiler.exchange_heap
+            heap = above if 3 * round_bytes > routed * p.pb else below
+        elif not p.train:
+            outside, inside = compiler.exchange_serving_heap
+            low, high, tokens_below = compiler.exchange_serving_window
+            window = low <= round_bytes < high and p.T * p.M * p.xb < tokens_below
+            # a bare shared expert closes the window; behind its gate it does not
+            heap = inside if window and (p.shared_gate or not p.Hs) else outside
     return HeldBuffers(weights, gradients, activations, masks, heap)
 
 

@@ -470,6 +470,15 @@ EXCHANGE_HEAP = {
 }
 
 
+def heap_study_rows(study: str) -> dict[str, dict]:
+    """The stored rows of one `exchange_heap` study that compiled, by point, after
+    checking the study ran on the jax release `EXCHANGE_HEAP` names for it."""
+    payload = json.loads((RESULTS / f"{study}.json").read_text())
+    release = EXCHANGE_HEAP[study][2]
+    assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
+    return {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
+
+
 @pytest.mark.parametrize("study", sorted(EXCHANGE_HEAP))
 def test_the_exchanged_training_heap_is_its_studys_median(study):
     """`Traits.exchange_heap` on XLA:TPU and XLA:GPU: for each side of the point where a
@@ -487,9 +496,7 @@ def test_the_exchanged_training_heap_is_its_studys_median(study):
     from selector.traits import traits
 
     chip, platform, release = EXCHANGE_HEAP[study]
-    payload = json.loads((RESULTS / f"{study}.json").read_text())
-    assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
-    rows = {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
+    rows = heap_study_rows(study)
     ratios, errors, alone = {False: [], True: []}, [], []
     for point in exchange_heap.CHIPS[chip]:
         if point[:2] != ("folded", "train"):
@@ -528,9 +535,7 @@ def test_the_exchanged_serving_heap_is_its_studys_median(study):
     from selector.traits import traits
 
     _, _, release = EXCHANGE_HEAP[study]
-    payload = json.loads((RESULTS / f"{study}.json").read_text())
-    assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
-    rows = {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
+    rows = heap_study_rows(study)
     compiler = traits("tpu", release)
     low, high, tokens_below = compiler.exchange_serving_window
     ratios, errors = {False: [], True: []}, []
