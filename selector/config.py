@@ -214,6 +214,12 @@ class Hardware(Frozen):
     # GB/s; 0: the HBM's): one that keeps the minor dimension, one that changes it.
     relayout_gbps: float = 0.0
     transpose_gbps: float = 0.0
+    # The routed weights gathered over the embed axes where the grouped matmul consumes
+    # them, measured in place (bytes a device receives, GB/s; 0: priced as ICI bytes
+    # and the two copies above): the forward's gathers, and the backward's
+    # reduce-scatters of their gradients.
+    weight_gather_gbps: float = 0.0
+    weight_scatter_gbps: float = 0.0
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
     # Per-op costs (microseconds); None where the preset has no figure (not counted).

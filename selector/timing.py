@@ -29,6 +29,11 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
+
+Where the machine has the in-place rates (`weight_gather_gbps`, `weight_scatter_gbps`:
+measured on CPU), the routed weights gathered over the embed axes within a slice are
+priced by them instead: their bytes received, less from the ICI bytes, and their
+relayout and transpose copies not priced apart (the rates hold them).
     overhead = call + ops x launch + loop trips x loop trip
 
 The matmul curve is measured as the grouped matmul runs a tile (a dot in a loop, its
@@ -89,6 +94,10 @@ class Work:
     loop_trips: float
     relayout_bytes: float = 0.0  # copies of gathered weights that keep the minor dim
     transpose_bytes: float = 0.0  # copies that change it
+    # The routed weights' bytes a device receives by gathers over the embed axes alone
+    # (within a slice), and its gradient's by their reduce-scatters; part of ici_bytes.
+    weight_gather_bytes: float = 0.0
+    weight_scatter_bytes: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -148,16 +157,26 @@ def price(work: Work, hw: Hardware) -> TimeParts:
     """The four parts of `work`'s time under `hw`'s constants (the module docstring)."""
     compute = sum(n * f / matmul_rate(f, hw, kind) for kind, f, n in work.dots)
     hbm = hw.hbm_bandwidth_gbps
+    ici, relayout, transpose = work.ici_bytes, work.relayout_bytes, work.transpose_bytes
+    in_place = 0.0
+    if hw.weight_gather_gbps and hw.weight_scatter_gbps and work.weight_gather_bytes:
+        # Measured where the grouped matmul consumes them: the gathers, the copies
+        # around them and the slicing, in one rate each way.
+        in_place = work.weight_gather_bytes / (hw.weight_gather_gbps * 1e9)
+        in_place += work.weight_scatter_bytes / (hw.weight_scatter_gbps * 1e9)
+        ici -= work.weight_gather_bytes + work.weight_scatter_bytes
+        relayout = transpose = 0.0
     memory = (
         work.memory_bytes / (hbm * 1e9)
         + work.gather_bytes / ((hw.gather_gbps or hbm) * 1e9)
-        + work.relayout_bytes / ((hw.relayout_gbps or hbm) * 1e9)
-        + work.transpose_bytes / ((hw.transpose_gbps or hbm) * 1e9)
+        + relayout / ((hw.relayout_gbps or hbm) * 1e9)
+        + transpose / ((hw.transpose_gbps or hbm) * 1e9)
     )
     network = (
         work.collectives * (hw.collective_latency_us or 0.0) * 1e-6
-        + work.ici_bytes / (hw.ici_bandwidth_gbps * 1e9)
+        + ici / (hw.ici_bandwidth_gbps * 1e9)
         + work.dcn_bytes / (hw.dcn_bandwidth_gbps * 1e9)
+        + in_place
     )
     launch, trip = hw.launch_us or 0.0, hw.loop_trip_us or 0.0
     overhead = (hw.call_us or 0.0) + work.ops * launch + work.loop_trips * trip
@@ -293,6 +312,9 @@ def count_work(
     # One matrix gathered over the embed axes, copied once each way (read and written).
     relaid = 2 * routed_weight_elements(strategy, p) / 3 * p.xb * (1 + p.train)
     relaid *= p.embed_gathered > 1
+    # Gathered over the embed axes alone, within a slice: what the in-place rates price.
+    received = routed_weight_elements(strategy, p) * p.xb * (1 - 1 / p.gathered)
+    received *= p.embed_gathered == p.gathered > 1 and p.gathered_dcn == 1
     return Work(
         dots=tuple(dots),
         memory_bytes=memory_bytes,
@@ -304,6 +326,8 @@ def count_work(
         loop_trips=trips,
         relayout_bytes=2 * relaid * ("gate_up" in p.relayouts),
         transpose_bytes=relaid * ("out" in p.relayouts),
+        weight_gather_bytes=received,
+        weight_scatter_bytes=received * p.train,
     )
 
 
@@ -321,6 +345,14 @@ def priced_by(hw: Hardware) -> str:
         f"gathers {hw.gather_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
         f"relayouts {hw.relayout_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
         f"transposes {hw.transpose_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
+        *(
+            [
+                f"weights gathered in place {hw.weight_gather_gbps:g} GB/s, their"
+                f" gradients reduce-scattered {hw.weight_scatter_gbps:g} GB/s"
+            ]
+            if hw.weight_gather_gbps and hw.weight_scatter_gbps
+            else []
+        ),
         f"ICI {hw.ici_bandwidth_gbps:g} GB/s",
         f"DCN {hw.dcn_bandwidth_gbps:g} GB/s",
     ]

@@ -91,6 +91,12 @@ PARTS = {
             "tests/selector/test_report_text.py",
         ),
     },
+    # The counted time (what a program does, priced by the machine's constants) against
+    # its own tests and the cost model's.
+    "timing": {
+        "modules": ("selector/timing.py",),
+        "tests": ("tests/selector/test_timing.py", "tests/selector/test_cost.py"),
+    },
     # The counted memory model against its own tests and the cost model's (a survivor
     # costs about 20 s here, against 95 s in the selector part's whole selection).
     "memory": {

@@ -40,7 +40,13 @@ single op, so the cost of calling a program drops out:
   copy keeps the minor dim (the gate and up matrices'), the minor dim's changes it (the
   out matrix's);
 - loop_trip_us: a fori_loop of 1,000 trips whose body is one 4 x 4 dot, per trip less
-  one launch (the loop's own cost a trip; 0 when a trip costs no more than its dot).
+  one launch (the loop's own cost a trip; 0 when a trip costs no more than its dot);
+- weight_gather_gbps, weight_scatter_gbps (`--weight_gathers`, apart from the rest): the
+  three routed matrices of an (E, M, H) shape sharded along the embed dim over the 8
+  devices, gathered and sliced per expert by a loop of dots (forward; and with the
+  weights' gradient, reduce-scattered), less the same program on whole copies; bytes a
+  device receives per second, the median over 4 shapes off the picks' sets. Beside each
+  shape, what the ICI and relayout rates alone price it at.
 
 `--write` stores them in conf/hardware/cpu.yaml, which the selector reads (the library
 reads no study's output); tests/test_machine.py checks the file against this study's JSON.
@@ -48,6 +54,7 @@ reads no study's output); tests/test_machine.py checks the file against this stu
     python -m bench.calibration.machine            # measure, write bench/results/machine_cpu.json and .png
     python -m bench.calibration.machine --write    # and conf/hardware/cpu.yaml
     python -m bench.calibration.machine --relayouts --write  # those two rates alone
+    python -m bench.calibration.machine --weight_gathers --write  # the in-place rates alone
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ SCALARS = (
     "collective_latency_us",
     "relayout_gbps",
     "transpose_gbps",
+    "weight_gather_gbps",
+    "weight_scatter_gbps",
 )
 
 
@@ -450,6 +459,106 @@ def relayouts() -> tuple[float, float, list[dict]]:
     return median(rates[1]), median(rates[2]), rows
 
 
+# (E, M, H, rows an expert) of the weight-gather study: off the picks' judge and dev sets.
+WEIGHT_GATHER_SHAPES = (
+    (32, 128, 256, 16),
+    (96, 128, 256, 4),
+    (48, 160, 320, 8),
+    (16, 256, 512, 32),
+)
+
+
+def weight_gathers(constants: dict) -> list[dict]:
+    """What gathering the three routed matrices costs where a per-expert loop of dots
+    consumes them, as the gathered block does: (E, M, H) gate and up matrices sharded
+    over the 8 devices along M, the (E, H, M) out matrix along its minor dim, each
+    gathered whole and sliced per expert by the loop; less the same program with every
+    device holding its own whole copy (no collective). Forward alone, and with the
+    weights' gradient (gathers in, reduce-scatters out). Beside it, what the time
+    counted without the in-place rates prices the same gathers at: the bytes received
+    over ICI plus the relayout and transpose copies (`selector.timing`), at
+    `constants`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = len(jax.devices())
+    mesh = Mesh(np.asarray(jax.devices()), ("d",))
+
+    def seconds(E, M, H, rows, sharded, train):
+        def body(w1, w2, w3, x):
+            if sharded:
+                w1 = lax.all_gather(w1, "d", axis=1, tiled=True)
+                w2 = lax.all_gather(w2, "d", axis=1, tiled=True)
+                w3 = lax.all_gather(w3, "d", axis=2, tiled=True)
+            x_ERM = x.reshape(E, rows, M)
+
+            def expert(e, out):
+                h = jax.nn.silu(x_ERM[e] @ w1[e]) * (x_ERM[e] @ w2[e])
+                return out.at[e].set(h @ w3[e])
+
+            return lax.fori_loop(0, E, expert, jnp.zeros_like(x_ERM)).reshape(x.shape)
+
+        specs = (P(None, "d"), P(None, "d"), P(None, None, "d")) if sharded else (P("d"),) * 3
+        block = jax.shard_map(body, mesh=mesh, in_specs=(*specs, P("d")), out_specs=P("d"))
+        if train:
+            loss = lambda *a: jnp.sum(block(*a) ** 2)  # noqa: E731
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        else:
+            fn = jax.jit(block)
+        key = jax.random.key(0)
+        copies = 1 if sharded else n  # whole: each device its own copy
+        shapes = ((E * copies, M, H), (E * copies, M, H), (E * copies, H, M))
+        weights = [
+            jax.device_put(jax.random.normal(key, s) * 0.1, NamedSharding(mesh, spec))
+            for s, spec in zip(shapes, specs, strict=True)
+        ]
+        x = jax.device_put(jax.random.normal(key, (n * E * rows, M)), NamedSharding(mesh, P("d")))
+        return _timed(fn, *weights, x)
+
+    out = []
+    for E, M, H, rows in WEIGHT_GATHER_SHAPES:
+        matrix = E * M * H * 4
+        received = 3 * matrix * (1 - 1 / n)
+        for train in (False, True):
+            more = seconds(E, M, H, rows, True, train) - seconds(E, M, H, rows, False, train)
+            trips = 2 if train else 1  # gathered in; the gradient reduce-scattered out
+            counted = trips * (
+                received / (constants["ici_bandwidth_gbps"] * 1e9)
+                + 4 * matrix / (constants["relayout_gbps"] * 1e9)
+                + 2 * matrix / (constants["transpose_gbps"] * 1e9)
+            )
+            out.append(
+                {
+                    "shape": f"{E}x{M}x{H}",
+                    "rows_an_expert": rows,
+                    "mode": "train" if train else "forward",
+                    "matrix_mb": matrix / 1e6,
+                    "received_mb": received / 1e6,
+                    "ms_more": more * 1e3,
+                    "counted_ms": counted * 1e3,
+                    "measured_over_counted": more / counted,
+                }
+            )
+            print(out[-1], flush=True)
+    return out
+
+
+def weight_gather_rates(rows: list[dict]) -> dict:
+    """The in-place rates from `weight_gathers`' rows, bytes a device receives per
+    second: the forward's gathers (its time more), the backward's reduce-scatters (the
+    training time more less the forward's); the median over the shapes."""
+    gather, scatter = [], []
+    for forward, train in zip(rows[::2], rows[1::2], strict=True):
+        received = forward["received_mb"] * 1e6
+        gather.append(received / (forward["ms_more"] * 1e-3) / 1e9)
+        scatter.append(received / max((train["ms_more"] - forward["ms_more"]) * 1e-3, 1e-9) / 1e9)
+    return {"weight_gather_gbps": median(gather), "weight_scatter_gbps": median(scatter)}
+
+
 def loop_trip(launch_s: float) -> float:
     from jax import lax
 
@@ -479,6 +588,8 @@ def measure() -> dict:
         "relayout_gbps": relayout,
         "transpose_gbps": transpose,
     }
+    gathered = weight_gathers(constants)
+    constants.update(weight_gather_rates(gathered))
     curve = matmul_curve()
     return {
         "machine": machine(),
@@ -490,6 +601,7 @@ def measure() -> dict:
         "gathers": gathers,
         "collectives": collective_rows,
         "relayouts": relayout_rows,
+        "weight_gathers": gathered,
     }
 
 
@@ -561,6 +673,10 @@ def main() -> int:
             "action": "store_true",
             "help": "measure only the gmm curve, into the stored study",
         },
+        weight_gathers={
+            "action": "store_true",
+            "help": "measure only the routed weights' gathers in place, into the stored study",
+        },
         gmm_tiles={
             "type": lambda text: tuple(int(t) for t in text.split(",")),
             "default": GMM_TILES,
@@ -574,6 +690,12 @@ def main() -> int:
         relayout, transpose, payload["relayouts"] = relayouts()
         payload["constants"].update(relayout_gbps=relayout, transpose_gbps=transpose)
         payload["relayouts_machine"] = machine()
+    elif args.weight_gathers:
+        payload = load(STUDY)
+        rows = weight_gathers(payload["constants"])
+        payload["weight_gathers"] = rows
+        payload["weight_gathers_machine"] = machine()
+        payload["constants"].update(weight_gather_rates(rows))
     elif args.gmm:
         payload = load(STUDY)
         fresh = gmm_curve(args.gmm_tiles)

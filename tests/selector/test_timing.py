@@ -3,6 +3,7 @@ here, and each part priced by the machine's constants."""
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,10 @@ def test_gathered_weights_are_relaid_as_the_compiler_relays_them(hardware):
     assert p.embed_gathered == 8
     assert work.relayout_bytes == (2 * 2 * 2 * matrix if hardware == "cpu" else 0)
     assert work.transpose_bytes == 2 * 2 * matrix
+    # The same gathers, as the in-place rates price them: the bytes a device receives
+    # of the three matrices, in (the forward) and out (the gradient's reduce-scatter).
+    assert work.weight_gather_bytes == pytest.approx(3 * matrix * (1 - 1 / 8))
+    assert work.weight_scatter_bytes == work.weight_gather_bytes
     folded = typed(*over, *chip, "num_experts=16", "expert_group=expert_sequence_and_fsdp")
     exchanged = selector.resolve(folded).candidate(Dispatch.megablox, Exchange.all_to_all)
     assert exchanged.placement.embed_axes == ()
@@ -127,6 +132,63 @@ def test_gathered_weights_are_relaid_as_the_compiler_relays_them(hardware):
     cfg, plan, p = problem("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", *chip)
     gathered = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
     assert p.gathered == 8 and gathered.relayout_bytes == gathered.transpose_bytes == 0
+    assert gathered.weight_gather_bytes == 0  # the in-place rates price embed gathers only
+    cfg, plan, p = problem(*over, "num_experts=16", "expert_exchange=gather", "mode=prefill")
+    work = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
+    assert work.weight_gather_bytes > 0 and work.weight_scatter_bytes == 0
+
+
+def test_weights_gathered_in_place_are_priced_by_their_measured_rates():
+    """With the in-place rates, the routed weights' gathers leave the ICI bytes and
+    the relayout copies and are priced at their own rates; without them, as before."""
+    work = Work(
+        (),
+        0.0,
+        0.0,
+        0,
+        5e9,
+        0.0,
+        0,
+        0,
+        relayout_bytes=3e9,
+        transpose_bytes=1e9,
+        weight_gather_bytes=2e9,
+        weight_scatter_bytes=1e9,
+    )
+    rated = _hw(relayout_gbps=1.5, transpose_gbps=0.25)
+    plain = price(work, rated)
+    assert plain.memory == pytest.approx(3e9 / 1.5e9 + 1e9 / 0.25e9)
+    assert plain.network == pytest.approx(5e9 / 4e9)
+    in_place = price(
+        work,
+        _hw(
+            relayout_gbps=1.5, transpose_gbps=0.25, weight_gather_gbps=0.5, weight_scatter_gbps=0.25
+        ),
+    )
+    assert in_place.memory == 0
+    assert in_place.network == pytest.approx(2e9 / 4e9 + 2e9 / 0.5e9 + 1e9 / 0.25e9)
+    cpu = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
+    assert "weights gathered in place" in priced_by(cpu)
+
+
+def test_the_in_place_rates_are_their_studys_medians():
+    """The rates cpu.yaml holds are the medians `weight_gather_rates` takes of the
+    stored study's shapes: bytes received over the forward's time more, and over the
+    training time more less the forward's."""
+    from bench.calibration.machine import weight_gather_rates
+
+    study = json.loads((ROOT / "bench/results/machine_cpu.json").read_text())
+    rows = study["weight_gathers"]
+    assert len(rows) == 8 and [r["mode"] for r in rows[:2]] == ["forward", "train"]
+    rates = weight_gather_rates(rows)
+    hw = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
+    assert hw.weight_gather_gbps == pytest.approx(rates["weight_gather_gbps"], rel=5e-4)
+    assert hw.weight_scatter_gbps == pytest.approx(rates["weight_scatter_gbps"], rel=5e-4)
+    pairs = list(zip(rows[::2], rows[1::2], strict=True))
+    gather = [f["received_mb"] / f["ms_more"] for f, _ in pairs]  # MB/ms = GB/s
+    scatter = [f["received_mb"] / (t["ms_more"] - f["ms_more"]) for f, t in pairs]
+    assert rates["weight_gather_gbps"] == pytest.approx(statistics.median(gather))
+    assert rates["weight_scatter_gbps"] == pytest.approx(statistics.median(scatter))
 
 
 @pytest.mark.parametrize("hardware", ["cpu", "h200", "v5p"])
