@@ -167,8 +167,20 @@ def test_weights_gathered_in_place_are_priced_by_their_measured_rates():
     )
     assert in_place.memory == 0
     assert in_place.network == pytest.approx(2e9 / 4e9 + 2e9 / 0.5e9 + 1e9 / 0.25e9)
+    half = price(work, _hw(relayout_gbps=1.5, transpose_gbps=0.25, weight_gather_gbps=0.5))
+    assert half == plain  # both rates or neither: one alone prices as before
     cpu = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
     assert "weights gathered in place" in priced_by(cpu)
+
+
+def test_each_dot_is_priced_by_its_own_kinds_curve():
+    """A tile is priced on the gmm curve and a plain dot on the matmul curve, each at
+    its own size (the curves differ here by 4x)."""
+    hw = _hw(matmul_curve=[[1.0, 0.04]], gmm_curve=[[1.0, 0.01]])
+    tile = price(Work((("tile", 1e6, 1),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
+    plain = price(Work((("plain", 1e6, 1),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
+    assert tile.compute == pytest.approx(1e6 / 0.01e12)
+    assert plain.compute == pytest.approx(1e6 / 0.04e12)
 
 
 def test_the_in_place_rates_are_their_studys_medians():
