@@ -186,7 +186,7 @@ def test_each_dot_is_priced_by_its_own_kinds_curve():
 def test_the_in_place_rates_are_their_studys_medians():
     """The rates cpu.yaml holds are the medians `weight_gather_rates` takes of the
     stored study's shapes: bytes received over the forward's time more, and over the
-    training time more less the forward's."""
+    training time more less the forward's; the picks page quotes the study as stored."""
     from bench.calibration.machine import weight_gather_rates
 
     study = json.loads((ROOT / "bench/results/machine_cpu.json").read_text())
@@ -196,6 +196,16 @@ def test_the_in_place_rates_are_their_studys_medians():
     hw = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
     assert hw.weight_gather_gbps == pytest.approx(rates["weight_gather_gbps"], rel=5e-4)
     assert hw.weight_scatter_gbps == pytest.approx(rates["weight_scatter_gbps"], rel=5e-4)
+    page = (ROOT / "docs/results/picks.md").read_text().replace("\n", " ")
+    for name, value in rates.items():
+        assert f"{value:.3g} GB/s" in page, name  # the rates the study page quotes
+    for f, t in zip(rows[::2], rows[1::2], strict=True):
+        row = (
+            f"| {f['shape'].replace('x', ' x ')}, {f['rows_an_expert']} | {f['matrix_mb']:.1f} | "
+            f"{f['ms_more']:.1f} | {f['counted_ms']:.1f} | {f['measured_over_counted']:.2f} | "
+            f"{t['ms_more']:.1f} | {t['counted_ms']:.1f} | {t['measured_over_counted']:.2f} |"
+        )
+        assert row in page, row
     pairs = list(zip(rows[::2], rows[1::2], strict=True))
     gather = [f["received_mb"] / f["ms_more"] for f, _ in pairs]  # MB/ms = GB/s
     scatter = [f["received_mb"] / (t["ms_more"] - f["ms_more"]) for f, t in pairs]
