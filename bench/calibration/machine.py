@@ -631,7 +631,9 @@ def write_hardware(payload: dict) -> None:
 
 def plot(payload: dict):
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    gathers = payload.get("weight_gathers", [])
+    fig, axes = plt.subplots(1, 3 if gathers else 2, figsize=(15 if gathers else 10, 4))
+    left, right = axes[0], axes[1]
     for name in CURVES:
         curve = payload[name]
         left.plot(
@@ -655,6 +657,22 @@ def plot(payload: dict):
         title="collectives over 8 devices",
     )
     right.legend()
+    if gathers:
+        for mode, marker in (("forward", "o"), ("train", "s")):
+            pts = [r for r in gathers if r["mode"] == mode]
+            axes[2].plot(
+                [r["matrix_mb"] for r in pts],
+                [r["measured_over_counted"] for r in pts],
+                marker,
+                label=mode,
+            )
+        axes[2].axhline(1.0, color="grey", lw=0.8)
+        axes[2].set(
+            xlabel="MB a routed matrix (float32)",
+            ylabel="in place / ICI + relayout rates",
+            title="the routed weights' gathers, measured in place",
+        )
+        axes[2].legend()
     fig.tight_layout()
     return fig
 
