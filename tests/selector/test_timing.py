@@ -11,7 +11,18 @@ from helpers import problem, typed
 
 import selector
 from selector import Dispatch, Exchange, Hardware
-from selector.timing import TimeParts, Work, count_work, matmul_rate, price, priced_by
+from selector.problem import buffer_rows
+from selector.tiles import exchanged_calls
+from selector.timing import (
+    PROGRAM_OPS,
+    TimeParts,
+    Work,
+    _gmm_loops,
+    count_work,
+    matmul_rate,
+    price,
+    priced_by,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,6 +117,33 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
     assert work.gather_bytes == pytest.approx(4 * rows * 64 * 4 + sort + 4 * rows * 3)
 
 
+def test_exchanged_rounds_counted_by_hand():
+    """tiny exchanged over context 8 (8 experts, one a device; 256 tokens a device,
+    k=2: 512 routed rows, B = 40 rows a slot, 3 rounds expected, 320 rows a round's
+    buffers), training, float32. Per round: forward x and results moved (2 x 320 rows
+    of 64 floats and their 4-byte ids/scales), backward 3 x; 4 collectives forward and
+    6 back, plus the round count's pmax and the statistics' sum; the round loops' ops
+    (51 + 8 x 45 forward, 75 + 8 x 74 back) and trips (1 + 8 each way) besides the
+    tile loops'."""
+    over = ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "ici_data_parallelism=1")
+    cfg, plan, p = problem(
+        *over, "max_target_length=2048", "per_device_batch_size=0.125", "expert_exchange=all_to_all"
+    )
+    estimate = plan.candidate(Dispatch.megablox, Exchange.all_to_all).estimate
+    work = estimate.work
+    assert (p.T, p.k, p.E, p.M, p.group, p.xb, estimate.rounds) == (256, 2, 8, 64, 8, 4, 3)
+    sort, taken = 512 * 9 * 8, 4 * 512 * 3
+    forward = 3 * (2 * 320 * 64 * 4 + 2 * 320 * 4)
+    backward = 3 * (3 * 320 * 64 * 4 + 3 * 320 * 4)
+    assert work.gather_bytes == sort + taken + forward + backward
+    assert work.collectives == 1 + (3 * 4 + 1) + 3 * 6
+    tiles = _gmm_loops(p.kernel, exchanged_calls(512, 8, 8, int(buffer_rows(p))), p, True)
+    assert dict(tiles.tiles) == {32: 24}  # 8 slots a round of one expert's rows, 3 rounds
+    rounds = 3 * (51 + 8 * 45) + 3 * (75 + 8 * 74)
+    assert work.ops == tiles.ops + PROGRAM_OPS[("megablox_exchanged", True)] + rounds
+    assert work.loop_trips == tiles.trips + 2 * 3 * (1 + 8)
+
+
 @pytest.mark.parametrize("hardware", ["cpu", "v5p"])
 def test_gathered_weights_are_relaid_as_the_compiler_relays_them(hardware):
     """Gathered over the embed axes (fsdp 2 x context 4), each routed matrix the compiler
@@ -136,6 +174,11 @@ def test_gathered_weights_are_relaid_as_the_compiler_relays_them(hardware):
     cfg, plan, p = problem(*over, "num_experts=16", "expert_exchange=gather", "mode=prefill")
     work = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
     assert work.weight_gather_bytes > 0 and work.weight_scatter_bytes == 0
+    two = ("ici_fsdp_parallelism=2", "ici_data_parallelism=4", "num_experts=16")
+    cfg, plan, p = problem(*two, "expert_exchange=gather")
+    work = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
+    assert p.gathered == p.embed_gathered == 2  # the smallest gather: half received
+    assert work.weight_gather_bytes == pytest.approx(3 * 16 * 64 * 128 * p.xb / 2)
 
 
 def test_weights_gathered_in_place_are_priced_by_their_measured_rates():
