@@ -29,12 +29,12 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
+    overhead = call + ops x launch + loop trips x loop trip
 
 Where the machine has the in-place rates (`weight_gather_gbps`, `weight_scatter_gbps`:
 measured on CPU), the routed weights gathered over the embed axes within a slice are
 priced by them instead: their bytes received, less from the ICI bytes, and their
 relayout and transpose copies not priced apart (the rates hold them).
-    overhead = call + ops x launch + loop trips x loop trip
 
 The matmul curve is measured as the grouped matmul runs a tile (a dot in a loop, its
 rows sliced and its product written in place), so a dot's own launch is in its rate.

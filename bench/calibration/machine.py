@@ -519,6 +519,14 @@ def weight_gathers(constants: dict) -> list[dict]:
         x = jax.device_put(jax.random.normal(key, (n * E * rows, M)), NamedSharding(mesh, P("d")))
         return _timed(fn, *weights, x)
 
+    from selector.config import Hardware
+    from selector.timing import Work, price
+
+    rates = Hardware(
+        ici_bandwidth_gbps=constants["ici_bandwidth_gbps"],
+        relayout_gbps=constants["relayout_gbps"],
+        transpose_gbps=constants["transpose_gbps"],
+    )
     out = []
     for E, M, H, rows in WEIGHT_GATHER_SHAPES:
         matrix = E * M * H * 4
@@ -526,11 +534,21 @@ def weight_gathers(constants: dict) -> list[dict]:
         for train in (False, True):
             more = seconds(E, M, H, rows, True, train) - seconds(E, M, H, rows, False, train)
             trips = 2 if train else 1  # gathered in; the gradient reduce-scattered out
-            counted = trips * (
-                received / (constants["ici_bandwidth_gbps"] * 1e9)
-                + 4 * matrix / (constants["relayout_gbps"] * 1e9)
-                + 2 * matrix / (constants["transpose_gbps"] * 1e9)
+            # The gate and up matrices relaid, the out matrix transposed, each read and
+            # written once a trip (as `selector.timing.count_work` counts them).
+            gathers = Work(
+                dots=(),
+                memory_bytes=0.0,
+                gather_bytes=0.0,
+                collectives=0,
+                ici_bytes=trips * received,
+                dcn_bytes=0.0,
+                ops=0,
+                loop_trips=0,
+                relayout_bytes=trips * 2 * 2 * matrix,
+                transpose_bytes=trips * 2 * matrix,
             )
+            counted = price(gathers, rates).total
             out.append(
                 {
                     "shape": f"{E}x{M}x{H}",
