@@ -204,9 +204,13 @@ class Hardware(Frozen):
     matmul_tflops: float = 1.0  # a device's dense matmul peak in the compute dtype
     # [MFLOPs a dot, TFLOP/s]: the rate a device sustains by a dot's size, measured
     # (empty: every dot at matmul_tflops): plain dots, the grouped matmul's tile visits
-    # (tiled_gmm), and the dense and capacity paths' einsums batched over experts.
+    # (tiled_gmm: its forward; its input and weight gradients, each its own pass, on
+    # the forward's curve where they have none), and the dense and capacity paths'
+    # einsums batched over experts.
     matmul_curve: list[list[float]] = field(default_factory=list)
     gmm_curve: list[list[float]] = field(default_factory=list)
+    gmm_input_grad_curve: list[list[float]] = field(default_factory=list)
+    gmm_weight_grad_curve: list[list[float]] = field(default_factory=list)
     einsum_curve: list[list[float]] = field(default_factory=list)
     hbm_bandwidth_gbps: float = 50.0  # per device, GB/s
     gather_gbps: float = 0.0  # rows moved by gathers and scatters, GB/s (0: the HBM's)

@@ -130,15 +130,33 @@ class TimeParts:
         }
 
 
-# Which measured curve prices a dot of each kind (selector.config.Hardware).
-CURVES = {"plain": "matmul_curve", "tile": "gmm_curve", "batched": "einsum_curve"}
+# Which measured curve prices a dot of each kind (selector.config.Hardware), and the
+# curve a kind falls back on where the machine has none of its own.
+CURVES = {
+    "plain": "matmul_curve",
+    "tile": "gmm_curve",
+    "tile_input_grad": "gmm_input_grad_curve",
+    "tile_weight_grad": "gmm_weight_grad_curve",
+    "batched": "einsum_curve",
+}
+FALLBACK = {
+    "tile_input_grad": "tile",
+    "tile_weight_grad": "tile",
+    "tile": "plain",
+    "batched": "plain",
+}
 
 
 def matmul_rate(flops: float, hw: Hardware, kind: str = "plain") -> float:
-    """FLOP/s a device sustains on a dot of `flops` FLOPs of `kind` (plain, a tiled_gmm
-    tile, an einsum batched over experts): its measured curve (log-log between its
-    points, flat past its ends), or the published peak without one."""
-    points = getattr(hw, CURVES[kind]) or hw.matmul_curve
+    """FLOP/s a device sustains on a dot of `flops` FLOPs of `kind` (plain; a tiled_gmm
+    tile visit in its forward, input-gradient or weight-gradient pass; an einsum
+    batched over experts): its measured curve (log-log between its points, flat past
+    its ends), else the curve of the kind it falls back on (`FALLBACK`), else the
+    published peak."""
+    points = getattr(hw, CURVES[kind])
+    while not points and kind in FALLBACK:
+        kind = FALLBACK[kind]
+        points = getattr(hw, CURVES[kind])
     curve = sorted((float(m) * 1e6, float(t) * 1e12) for m, t in points)
     if not curve:
         return hw.matmul_tflops * 1e12
@@ -226,12 +244,13 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
     return _Loops(tuple(sorted(tiles.items())), ops, trips)
 
 
-def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> int:
-    """Dots a tile visit does over the step: 3 forward; the backward's input and weight
-    gradients 6, and the exchange's recomputed gate and up 2 more."""
+def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> dict[str, int]:
+    """Dots a tile visit does over the step, by tiled_gmm's pass: 3 forward (gate, up
+    and out); training adds 3 input gradients and 3 weight gradients, and the
+    exchange's backward recomputes gate and up first (2 more forward)."""
     if not p.train:
-        return 3
-    return 11 if exchanged else 9
+        return {"tile": 3}
+    return {"tile": 5 if exchanged else 3, "tile_input_grad": 3, "tile_weight_grad": 3}
 
 
 def _ffn_dots(kind: str, rows: float, p: DeviceProblem, dots: float) -> tuple[str, float, float]:
@@ -275,8 +294,11 @@ def count_work(
         else:
             loops = _gmm_loops(p.kernel, gathered_calls(routed, p.E), p, False)
         per_visit = _dots_per_visit(p, exchanged)
-        kind = "tile" if p.kernel == "tiled_gmm" and not p.gmm_dense else "plain"
-        dots += [_ffn_dots(kind, t, p, n * per_visit) for t, n in loops.tiles]
+        if p.kernel != "tiled_gmm" or p.gmm_dense:  # no pass curves: plain dots
+            per_visit = {"plain": sum(per_visit.values())}
+        dots += [
+            _ffn_dots(kind, t, p, n * d) for t, n in loops.tiles for kind, d in per_visit.items()
+        ]
         ops += loops.ops
         trips += loops.trips
         key = "megablox_exchanged" if exchanged else "megablox_gathered"

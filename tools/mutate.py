@@ -12,6 +12,7 @@ cores.
     python -m tools.mutate memory --again         # re-judged after the tests changed
     python -m tools.mutate placement --function exchange_group   # one function's mutants
     python -m tools.mutate step --sample 40 --seed 0   # the whole step's count, sampled
+    python -m tools.mutate step --module selector/architecture.py   # one module, every mutant
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -199,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         "--function", metavar="NAME", help="only the mutants of this function (every one)"
     )
     ap.add_argument(
+        "--module",
+        metavar="PATH",
+        action="append",
+        help="only this module of the part (repeatable; a full pass of one module)",
+    )
+    ap.add_argument(
         "--again",
         action="store_true",
         help="run every chosen mutant even where mutmut stored a result (after the tests "
@@ -217,7 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     chosen: dict[str, list[str]] = {}
     total: dict[str, int] = {}
     every_of: dict[str, list[str]] = {}
-    for module in spec["modules"]:
+    modules = spec["modules"]
+    if args.module:
+        unknown = sorted(set(args.module) - set(modules))
+        if unknown:
+            ap.error(
+                f"part {args.part!r} has no module {', '.join(unknown)}: it has {', '.join(modules)}"
+            )
+        modules = tuple(m for m in modules if m in args.module)
+    for module in modules:
         every = mutant_names(module)
         if args.function:  # mutmut names x_NAME__mutmut_K, a method xǁClassǁNAME__mutmut_K
             every = [
@@ -231,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.survivors:
         stored = results(work)
         chosen = {m: [n for n in chosen[m] if stored.get(n) == "survived"] for m in chosen}
-    names = [n for module in spec["modules"] for n in chosen[module]]
+    names = [n for module in modules for n in chosen[module]]
+    if args.module and not (args.sample or args.function or args.again or args.survivors):
+        stored = results(work)  # resume: the module's mutants without a stored result
+        names = [n for n in names if stored.get(n) not in ("killed", "survived", "timeout")]
     run = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children)]
     # Named mutants are run even when a result is stored (a sample is re-judged whole).
-    named = args.sample or args.function or args.again or args.survivors
+    named = args.sample or args.function or args.again or args.survivors or args.module
     if args.survivors and not names:
         print("no stored survivors to run again")
         return 0
@@ -246,13 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "jax-cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-    code = subprocess.run(run + (names if named else []), cwd=work, env=env).returncode
+    # A module whose every mutant has a result runs nothing (an empty list would run all).
+    ran = not (args.module and not names)
+    code = (
+        subprocess.run(run + (names if named else []), cwd=work, env=env).returncode if ran else 0
+    )
     if code != 0:
         return code
     status = results(work)
     print(f"\nmutation testing, part {args.part!r} (mutmut; results in {work}):")
     survivors = []
-    for module in spec["modules"]:
+    for module in modules:
         mine = chosen[module]
         survived = [n for n in mine if status.get(n, "not checked") != "killed"]
         survivors += survived

@@ -231,29 +231,46 @@ def gmm_layout(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
     return max(tile // experts, 1), tile
 
 
-def _gmm_passes(tile: int, e: int, k: int, n: int):
+def _gmm_passes(tile: int, e: int, k: int, n: int, reps: int = 1):
     """(body, shapes...) of tiled_gmm's three passes over `e` experts laid out by
-    `gmm_layout(tile, e)`."""
+    `gmm_layout(tile, e)`, each run `reps` times in a fori_loop on the next slice of its
+    rows (the same weights; the results summed, the weight gradient added into one
+    float32 accumulator in place, as an exchange's slots run), so no rep is loop
+    invariant and XLA cannot hoist it."""
     import jax.numpy as jnp
+    from jax import lax
 
     from layers.grouped_matmul import tiled_forward, tiled_input_grad, tiled_weight_grad
 
     each, rows = gmm_layout(tile, e)
     sizes = jnp.full((e,), each, jnp.int32)
 
+    def chunk(a, i):
+        return lax.dynamic_slice_in_dim(a, i * rows, rows)
+
     def forward(x, w):
-        return tiled_forward(x, (w.reshape(e, k, n),), sizes)[0]
+        def rep(i, acc):
+            return acc + tiled_forward(chunk(x, i), (w.reshape(e, k, n),), sizes)[0]
+
+        return lax.fori_loop(0, reps, rep, jnp.zeros((rows, n), x.dtype))
 
     def input_grad(d, w):
-        return tiled_input_grad((d,), (w.reshape(e, k, n),), sizes)
+        def rep(i, acc):
+            return acc + tiled_input_grad((chunk(d, i),), (w.reshape(e, k, n),), sizes)
+
+        return lax.fori_loop(0, reps, rep, jnp.zeros((rows, k), d.dtype))
 
     def weight_grad(x, d):
-        return tiled_weight_grad(x, d, sizes).reshape(e * k, n)
+        def rep(i, acc):
+            return tiled_weight_grad(chunk(x, i), chunk(d, i), sizes, existing_out=acc)
+
+        acc = lax.fori_loop(0, reps, rep, jnp.zeros((e, k, n), jnp.float32))
+        return acc.reshape(e * k, n).astype(x.dtype)
 
     return (
-        (forward, (rows, k), (e * k, n)),
-        (input_grad, (rows, n), (e * k, n)),
-        (weight_grad, (rows, k), (rows, n)),
+        (forward, (reps * rows, k), (e * k, n)),
+        (input_grad, (reps * rows, n), (e * k, n)),
+        (weight_grad, (reps * rows, k), (reps * rows, n)),
     )
 
 
@@ -269,26 +286,46 @@ def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
     return tiles[0]
 
 
+# Reps of a gmm point's long program (its short one runs 1): a visit's cost is the
+# difference over GMM_REPS calls' visits, as the matmul curve takes a trip's.
+GMM_REPS = 4
+GMM_PASSES = ("forward", "input_grad", "weight_grad")
+
+
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
     GMM_EXPERTS experts of one tile each (`gmm_layout`: one visit an expert), its
-    forward with one weight, its input gradient and its weight gradient, each timed
-    alone; per visit, the mean of the three less a call."""
-    called = call()
+    forward with one weight, its input gradient and its weight gradient, each timed as
+    what a call adds to a program: GMM_REPS + 1 calls in a loop less 1 call, over the
+    visits of GMM_REPS calls. The point's `tflops` is the forward's; `passes` holds
+    each pass's (`pass_curve` makes a curve of one), since a weight gradient's visit
+    runs at about half a forward's. (Until 2026-12-06 a point was one call less an
+    empty program's call, and its rate the median of the three passes: that also held
+    what a program's first ops pay, which the counted time charges once a program as
+    `call_us`; a forward visit ran 1.3 to 1.5 times its cost inside a loop.)"""
     out = []
     for tile in tiles:
         visited, visits = gmm_visits(tile)
         for k, n in kn_list:
-            seconds = [
-                max(_timed(*_flat(_program(body, *shapes, dtype=dtype))) - called, 1e-9) / visits
-                for body, *shapes in _gmm_passes(tile, GMM_EXPERTS, k, n)
-            ]
+            seconds = []
+            for passes in zip(
+                _gmm_passes(tile, GMM_EXPERTS, k, n, GMM_REPS + 1),
+                _gmm_passes(tile, GMM_EXPERTS, k, n, 1),
+                strict=True,
+            ):
+                long, short = (
+                    _timed(*_flat(_program(body, *shapes, dtype=dtype))) for body, *shapes in passes
+                )
+                seconds.append(max(long - short, 1e-9) / (GMM_REPS * visits))
             flops = 2 * visited * k * n
             out.append(
                 {
                     "shape": f"{visited}x{k}x{n}",
                     "mflops": flops / 1e6,
-                    "tflops": flops / median(seconds) / 1e12,
+                    "tflops": flops / seconds[0] / 1e12,  # the forward's
+                    "passes": {
+                        p: flops / s / 1e12 for p, s in zip(GMM_PASSES, seconds, strict=True)
+                    },
                 }
             )
     return sorted(out, key=lambda r: r["mflops"])
@@ -623,6 +660,20 @@ def measure() -> dict:
     }
 
 
+# The gradient passes' curves conf/hardware holds beside the forward's `gmm_curve`.
+GMM_PASS_CURVES = {"gmm_input_grad_curve": "input_grad", "gmm_weight_grad_curve": "weight_grad"}
+
+
+def pass_curve(curve: list[dict], name: str) -> list[dict]:
+    """The gmm curve of one of tiled_gmm's passes (GMM_PASSES), from its points'
+    `passes`; a point measured before the passes were kept apart has none."""
+    return [
+        {"shape": p["shape"], "mflops": p["mflops"], "tflops": p["passes"][name]}
+        for p in curve
+        if "passes" in p
+    ]
+
+
 def curve_yaml(name: str, curve: list[dict]) -> str:
     """A curve as conf/hardware's `{name}:` list of [MFLOPs a dot, TFLOP/s]."""
 
@@ -638,6 +689,10 @@ def write_hardware(payload: dict) -> None:
     text = HARDWARE_FILE.read_text()
     lines = [f"{k}: {float(f'{v:.4g}')!r}" for k, v in payload["constants"].items()]
     lines += [curve_yaml(name, payload[name]) for name in CURVES]
+    lines += [
+        curve_yaml(name, pass_curve(payload["gmm_curve"], grad))
+        for name, grad in GMM_PASS_CURVES.items()
+    ]
     for line in lines:
         name = line.split(":", 1)[0]
         text, found = re.subn(rf"^{name}: .*$", line, text, flags=re.M)
@@ -652,8 +707,9 @@ def plot(payload: dict):
     gathers = payload.get("weight_gathers", [])
     fig, axes = plt.subplots(1, 3 if gathers else 2, figsize=(15 if gathers else 10, 4))
     left, right = axes[0], axes[1]
-    for name in CURVES:
-        curve = payload[name]
+    curves = {name: payload[name] for name in CURVES}
+    curves |= {n: pass_curve(payload["gmm_curve"], g) for n, g in GMM_PASS_CURVES.items()}
+    for name, curve in curves.items():
         left.plot(
             [p["mflops"] for p in curve], [p["tflops"] * 1e3 for p in curve], "o-", label=name
         )
@@ -661,7 +717,7 @@ def plot(payload: dict):
         xscale="log",
         xlabel="MFLOPs a dot",
         ylabel="GFLOP/s a device (8 at once)",
-        title="float32 dots: in a tile loop, tiled_gmm's visits, batched einsums",
+        title="float32 dots: in a tile loop, tiled_gmm's passes, batched einsums",
     )
     left.legend(fontsize=7)
     for name in ("all_to_all", "all_gather", "psum"):

@@ -222,3 +222,51 @@ def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
     assert 32 in GMM_TILES
     for tile in GMM_TILES:
         assert gmm_visits(tile) == (tile, GMM_EXPERTS)
+
+
+def test_a_gmm_points_reps_each_run_their_own_rows():
+    """The gmm curve times a visit as what a call adds inside a loop of calls, so each
+    rep must compute on its own slice of rows (a rep on the same rows would be loop
+    invariant, and XLA may hoist it): the looped passes equal the sum of each slice's
+    pass run alone."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.calibration.machine import _gmm_passes
+
+    tile, experts, k, n, reps = 32, 4, 8, 16, 3
+    looped = _gmm_passes(tile, experts, k, n, reps)
+    single = _gmm_passes(tile, experts, k, n, 1)
+    keys = iter(jax.random.split(jax.random.key(0), 12))
+    for (body, *shapes), (alone, *_) in zip(looped, single, strict=True):
+        args = [jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
+        rows = shapes[0][0] // reps
+        parts = [
+            alone(*(a[i * rows : (i + 1) * rows] if a.shape[0] == reps * rows else a for a in args))
+            for i in range(reps)
+        ]
+        np.testing.assert_allclose(body(*args), sum(parts), rtol=1e-5, atol=1e-5)
+        np.testing.assert_raises(
+            AssertionError, np.testing.assert_allclose, body(*args), reps * parts[0], rtol=1e-5
+        )
+
+
+def test_the_gmm_pass_curves_come_from_each_points_passes():
+    """conf/hardware's gradient curves are read off the points' per-pass rates; a point
+    stored before the passes were kept apart gives none."""
+    from bench.calibration.machine import GMM_PASS_CURVES, pass_curve
+
+    points = [
+        {
+            "shape": "64x8x16",
+            "mflops": 1.0,
+            "tflops": 0.02,
+            "passes": {"forward": 0.02, "input_grad": 0.03, "weight_grad": 0.01},
+        },
+        {"shape": "128x8x16", "mflops": 2.0, "tflops": 0.04},
+    ]
+    assert set(GMM_PASS_CURVES.values()) == {"input_grad", "weight_grad"}
+    assert pass_curve(points, "weight_grad") == [
+        {"shape": "64x8x16", "mflops": 1.0, "tflops": 0.01}
+    ]

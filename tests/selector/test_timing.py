@@ -10,6 +10,7 @@ import pytest
 from helpers import problem, typed
 
 import selector
+from bench.calibration.machine import GMM_PASS_CURVES, pass_curve
 from selector import Dispatch, Exchange, Hardware
 from selector.problem import buffer_rows
 from selector.tiles import exchanged_calls
@@ -97,6 +98,31 @@ def test_the_matmul_rate_follows_its_curve_log_log_and_flat_past_its_ends():
     assert matmul_rate(5e6, _hw(matmul_tflops=459.0)) == 459e12  # no curve: the peak
 
 
+def test_each_tiled_gmm_pass_is_priced_on_its_own_curve_else_the_forwards():
+    """A tile visit's input-gradient and weight-gradient dots each have a curve (a
+    weight gradient's visit runs at about half a forward's on CPU); without one they
+    take the forward's tile curve, and without that the plain one."""
+    passes = _hw(
+        matmul_curve=[[1.0, 0.01]],
+        gmm_curve=[[1.0, 0.02]],
+        gmm_input_grad_curve=[[1.0, 0.03]],
+        gmm_weight_grad_curve=[[1.0, 0.004]],
+    )
+    assert matmul_rate(5e6, passes, "tile") == pytest.approx(0.02e12)
+    assert matmul_rate(5e6, passes, "tile_input_grad") == pytest.approx(0.03e12)
+    assert matmul_rate(5e6, passes, "tile_weight_grad") == pytest.approx(0.004e12)
+    forward_only = _hw(matmul_curve=[[1.0, 0.01]], gmm_curve=[[1.0, 0.02]])
+    assert matmul_rate(5e6, forward_only, "tile_weight_grad") == pytest.approx(0.02e12)
+    plain_only = _hw(matmul_curve=[[1.0, 0.01]])
+    assert matmul_rate(5e6, plain_only, "tile_input_grad") == pytest.approx(0.01e12)
+    # Priced apart: 3 dots a pass of 1 MFLOP at 20, 30 and 4 GFLOP/s.
+    work = Work(
+        (("tile", 1e6, 3), ("tile_input_grad", 1e6, 3), ("tile_weight_grad", 1e6, 3)),
+        *(0.0,) * 7,
+    )
+    assert price(work, passes).compute == pytest.approx(3e6 / 20e9 + 3e6 / 30e9 + 3e6 / 4e9)
+
+
 def test_gathered_tiled_gmm_dots_counted_by_hand():
     """tiny over fsdp 8 (8 experts, emb 64, hidden 128; 256 tokens a device, k=2, so 64
     rows an expert: one 64-row tile each): forward 3 dots a tile, the backward 6 more;
@@ -108,7 +134,9 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
     tile = 2 * 64 * 64 * 128
     assert dict(((k, f), n) for k, f, n in work.dots) == {
         ("plain", 2 * 256 * 64 * 8): 3,
-        ("tile", tile): 8 * 9,
+        ("tile", tile): 8 * 3,  # gate, up and out
+        ("tile_input_grad", tile): 8 * 3,
+        ("tile_weight_grad", tile): 8 * 3,
     }
     # Rows taken and added back (forward) and their transposes (backward), the sort, and
     # the ids, weights and sizes.
@@ -291,6 +319,9 @@ def test_the_relayout_trait_is_what_the_compiled_program_does(hardware):
     assert relaid_gathers(program.as_text()) == expected
 
 
+PASSES = ("tile", "tile_input_grad", "tile_weight_grad")
+
+
 def test_the_exchange_recomputes_its_forward_in_the_backward():
     """Exchanged, a tile visit does 11 dots over the step: the backward recomputes the
     two input products (8 there, not 6). Its rounds issue 4 collectives forward and 6
@@ -304,10 +335,20 @@ def test_the_exchange_recomputes_its_forward_in_the_backward():
     )
     plan = selector.resolve(cfg)
     est = plan.chosen_estimate
-    tiles = sum(n for k, _, n in est.work.dots if k == "tile")
-    assert tiles % 11 == 0
+
+    def by_pass(work):
+        return {k: sum(n for kind, _, n in work.dots if kind == k) for k in PASSES}
+
+    exchanged = by_pass(est.work)
+    visits = exchanged["tile_input_grad"] / 3
+    assert visits > 0 and exchanged == {
+        "tile": 5 * visits,  # the forward's 3 and the recomputed gate and up
+        "tile_input_grad": 3 * visits,
+        "tile_weight_grad": 3 * visits,
+    }
     gathered = selector.resolve(cfg.replace(expert_exchange=Exchange.gather)).chosen_estimate
-    assert sum(n for k, _, n in gathered.work.dots if k == "tile") % 9 == 0
+    passes = by_pass(gathered.work)
+    assert passes["tile"] == passes["tile_input_grad"] == passes["tile_weight_grad"] > 0
     # Weights of the expert axis group's embed split (fsdp) are gathered: 3 routed
     # matrices in and out, the router in and out; the stats' sum.
     assert est.work.collectives == est.rounds * 10 + 1 + 1 + 6 + 2
@@ -344,10 +385,12 @@ def test_the_cpu_constants_are_the_machine_studys():
     hw = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
     for name, value in study["constants"].items():
         assert getattr(hw, name) == pytest.approx(value, rel=5e-4, abs=1e-9), name
-    for name in ("matmul_curve", "gmm_curve", "einsum_curve"):
-        stored = [x for p in study[name] for x in (p["mflops"], p["tflops"])]
+    curves = {name: study[name] for name in ("matmul_curve", "gmm_curve", "einsum_curve")}
+    curves |= {name: pass_curve(study["gmm_curve"], grad) for name, grad in GMM_PASS_CURVES.items()}
+    for name, curve in curves.items():
+        stored = [x for p in curve for x in (p["mflops"], p["tflops"])]
         held = [x for point in getattr(hw, name) for x in point]
-        assert held == pytest.approx(stored, rel=5e-4), name
+        assert stored and held == pytest.approx(stored, rel=5e-4), name
 
 
 def test_each_tpu_and_gpu_figure_cites_its_source():
