@@ -98,6 +98,11 @@ class Work:
     # (within a slice), and its gradient's by their reduce-scatters; part of ici_bytes.
     weight_gather_bytes: float = 0.0
     weight_scatter_bytes: float = 0.0
+    # Of ops and loop_trips, those of tiled_gmm's loop bodies, a visit's: a measured gmm
+    # curve times a visit with them (bench.calibration.machine), so they are priced
+    # apart only where the machine has none.
+    tile_visit_ops: float = 0.0
+    tile_visit_trips: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -197,7 +202,10 @@ def price(work: Work, hw: Hardware) -> TimeParts:
         + in_place
     )
     launch, trip = hw.launch_us or 0.0, hw.loop_trip_us or 0.0
-    overhead = (hw.call_us or 0.0) + work.ops * launch + work.loop_trips * trip
+    ops, trips = work.ops, work.loop_trips
+    if hw.gmm_curve:  # a visit's loop ops are in its measured time
+        ops, trips = ops - work.tile_visit_ops, trips - work.tile_visit_trips
+    overhead = (hw.call_us or 0.0) + ops * launch + trips * trip
     overhead *= 1e-6
     return TimeParts(compute, memory, network, overhead)
 
@@ -209,6 +217,8 @@ class _Loops:
     tiles: tuple[tuple[int, float], ...]  # (rows a tile, visits), one pass over the rows
     ops: float = 0.0
     trips: float = 0.0
+    visit_ops: float = 0.0  # of ops and trips, the loop bodies' (Work.tile_visit_ops)
+    visit_trips: float = 0.0
 
 
 def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
@@ -222,7 +232,7 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
             return _Loops(((p.tile, rows / p.tile),))
         return _Loops(((max(rows, 1), 1.0),))
     tiles: dict[int, float] = {}
-    ops = trips = 0.0
+    ops = visit_ops = visit_trips = 0.0
     for sizes, array_rows in calls:
         visits = tiled_gmm_visits(sizes, array_rows)
         loops = len(visits.classes) + 1
@@ -235,13 +245,14 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
             row_passes += [TILE_OPS[1], TILE_OPS[2]]  # input gradients
             row_passes += [TILE_OPS[2]] if exchanged else []  # the recomputed forward
             grads = 3
-        ops += sum(row_trips * (body + 1) + 2 * loops for body in row_passes)
-        trips += row_trips * len(row_passes)
+        row_ops = sum(row_trips * (body + 1) for body in row_passes)
         expert = visits.experts * (EXPERT_OPS + 1) + visits.big * BIG_TILE_OPS
-        expert += visits.small * SMALL_TILE_OPS + 2
-        ops += grads * expert
-        trips += grads * (visits.experts + visits.big)
-    return _Loops(tuple(sorted(tiles.items())), ops, trips)
+        expert += visits.small * SMALL_TILE_OPS
+        visit_ops += row_ops + grads * expert
+        visit_trips += row_trips * len(row_passes) + grads * (visits.experts + visits.big)
+        ops += row_ops + 2 * loops * len(row_passes) + grads * (expert + 2)
+    trips = visit_trips
+    return _Loops(tuple(sorted(tiles.items())), ops, trips, visit_ops, visit_trips)
 
 
 def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> dict[str, int]:
@@ -277,7 +288,7 @@ def count_work(
         dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd))  # router logits
     if p.Hs:
         dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd)))  # shared experts
-    ops = trips = gather = 0.0
+    ops = trips = gather = visit_ops = visit_trips = 0.0
     collectives = 1.0  # the statistics' sum over the token axes
     collectives += (1 + (p.train)) * (p.hidden_shards > 1)  # hidden axes' partial sums
     # Weight all-gathers in (reduce-scatters out): the three routed matrices over the
@@ -301,6 +312,7 @@ def count_work(
         ]
         ops += loops.ops
         trips += loops.trips
+        visit_ops, visit_trips = loops.visit_ops, loops.visit_trips
         key = "megablox_exchanged" if exchanged else "megablox_gathered"
         ops += PROGRAM_OPS[(key, p.train)]
         gather += sort + 4 * routed * 3  # the sort, the ids and weights taken, the sizes
@@ -350,6 +362,8 @@ def count_work(
         transpose_bytes=relaid * ("out" in p.relayouts),
         weight_gather_bytes=received,
         weight_scatter_bytes=received * p.train,
+        tile_visit_ops=visit_ops,
+        tile_visit_trips=visit_trips,
     )
 
 

@@ -233,10 +233,11 @@ def gmm_layout(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
 
 def _gmm_passes(tile: int, e: int, k: int, n: int, reps: int = 1):
     """(body, shapes...) of tiled_gmm's three passes over `e` experts laid out by
-    `gmm_layout(tile, e)`, each run `reps` times in a fori_loop on the next slice of its
-    rows (the same weights; the results summed, the weight gradient added into one
-    float32 accumulator in place, as an exchange's slots run), so no rep is loop
-    invariant and XLA cannot hoist it."""
+    `gmm_layout(tile, e)`, each run `reps` times in a fori_loop, each time on the next
+    slice of its rows (the same weights): the forward and the input gradient write each
+    slice's product into its rows of one output in place, the weight gradient adds into
+    one float32 accumulator in place (as an exchange's slots do). No call is loop
+    invariant, so XLA cannot hoist it."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -248,17 +249,17 @@ def _gmm_passes(tile: int, e: int, k: int, n: int, reps: int = 1):
     def chunk(a, i):
         return lax.dynamic_slice_in_dim(a, i * rows, rows)
 
-    def forward(x, w):
-        def rep(i, acc):
-            return acc + tiled_forward(chunk(x, i), (w.reshape(e, k, n),), sizes)[0]
+    def rows_out(product, a, width):
+        def rep(i, out):
+            return lax.dynamic_update_slice_in_dim(out, product(chunk(a, i)), i * rows, 0)
 
-        return lax.fori_loop(0, reps, rep, jnp.zeros((rows, n), x.dtype))
+        return lax.fori_loop(0, reps, rep, jnp.zeros((reps * rows, width), a.dtype))
+
+    def forward(x, w):
+        return rows_out(lambda x: tiled_forward(x, (w.reshape(e, k, n),), sizes)[0], x, n)
 
     def input_grad(d, w):
-        def rep(i, acc):
-            return acc + tiled_input_grad((chunk(d, i),), (w.reshape(e, k, n),), sizes)
-
-        return lax.fori_loop(0, reps, rep, jnp.zeros((rows, k), d.dtype))
+        return rows_out(lambda d: tiled_input_grad((d,), (w.reshape(e, k, n),), sizes), d, k)
 
     def weight_grad(x, d):
         def rep(i, acc):
@@ -286,37 +287,40 @@ def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
     return tiles[0]
 
 
-# Reps of a gmm point's long program (its short one runs 1): a visit's cost is the
-# difference over GMM_REPS calls' visits, as the matmul curve takes a trip's.
+# A gmm point's long program runs GMM_REPS + 1 calls in a loop, its short one 1: a
+# visit's time is the difference over GMM_REPS calls' visits, as the matmul curve
+# takes a trip's.
 GMM_REPS = 4
 GMM_PASSES = ("forward", "input_grad", "weight_grad")
 
 
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
-    """Per tile size, the FLOP rate of tiled_gmm (layers.grouped_matmul) a tile visit:
-    GMM_EXPERTS experts of one tile each (`gmm_layout`: one visit an expert), its
-    forward with one weight, its input gradient and its weight gradient, each timed as
-    what a call adds to a program: GMM_REPS + 1 calls in a loop less 1 call, over the
-    visits of GMM_REPS calls. The point's `tflops` is the forward's; `passes` holds
-    each pass's (`pass_curve` makes a curve of one), since a weight gradient's visit
-    runs at about half a forward's. (Until 2026-12-06 a point was one call less an
-    empty program's call, and its rate the median of the three passes: that also held
-    what a program's first ops pay, which the counted time charges once a program as
-    `call_us`; a forward visit ran 1.3 to 1.5 times its cost inside a loop.)"""
+    """Per tile size, the FLOP rate of a tiled_gmm (layers.grouped_matmul) tile visit,
+    for each of its three passes (forward with one weight, input gradient, weight
+    gradient) over GMM_EXPERTS experts of one tile each (`gmm_layout`): what a call
+    adds inside a loop of calls (GMM_REPS + 1 calls less 1), over its visits, as an
+    exchange's slots and a block's passes run. A program's first ops are not in it; a
+    visit's loop-body ops are (the count leaves those to this curve:
+    `selector.timing.Work.tile_visit_ops`). The point's `tflops` is the forward's,
+    `passes` holds each pass's (`pass_curve` makes a curve of one): a weight
+    gradient's visit runs at about half a forward's. (Until 2026-12-06 a point was one
+    call less an empty program's, its rate the median of the three passes: a forward
+    visit ran 1.3 to 1.5 times faster inside a loop of calls.)"""
     out = []
     for tile in tiles:
         visited, visits = gmm_visits(tile)
         for k, n in kn_list:
             seconds = []
-            for passes in zip(
+            for long, short in zip(
                 _gmm_passes(tile, GMM_EXPERTS, k, n, GMM_REPS + 1),
                 _gmm_passes(tile, GMM_EXPERTS, k, n, 1),
                 strict=True,
             ):
-                long, short = (
-                    _timed(*_flat(_program(body, *shapes, dtype=dtype))) for body, *shapes in passes
+                many, one = (
+                    _timed(*_flat(_program(body, *shapes, dtype=dtype)))
+                    for body, *shapes in (long, short)
                 )
-                seconds.append(max(long - short, 1e-9) / (GMM_REPS * visits))
+                seconds.append(max(many - one, 1e-9) / (GMM_REPS * visits))
             flops = 2 * visited * k * n
             out.append(
                 {

@@ -225,10 +225,10 @@ def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
 
 
 def test_a_gmm_points_reps_each_run_their_own_rows():
-    """The gmm curve times a visit as what a call adds inside a loop of calls, so each
-    rep must compute on its own slice of rows (a rep on the same rows would be loop
-    invariant, and XLA may hoist it): the looped passes equal the sum of each slice's
-    pass run alone."""
+    """The gmm curve times a visit inside a loop of calls, so each rep must compute on
+    its own slice of rows (a rep on the same rows would be loop invariant, and XLA may
+    hoist it): the looped forward and input gradient are each slice's pass alone, one
+    after another, and the weight gradient their sum."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -239,17 +239,17 @@ def test_a_gmm_points_reps_each_run_their_own_rows():
     looped = _gmm_passes(tile, experts, k, n, reps)
     single = _gmm_passes(tile, experts, k, n, 1)
     keys = iter(jax.random.split(jax.random.key(0), 12))
-    for (body, *shapes), (alone, *_) in zip(looped, single, strict=True):
+    for i, ((body, *shapes), (alone, *_)) in enumerate(zip(looped, single, strict=True)):
         args = [jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
         rows = shapes[0][0] // reps
         parts = [
-            alone(*(a[i * rows : (i + 1) * rows] if a.shape[0] == reps * rows else a for a in args))
-            for i in range(reps)
+            alone(*(a[r * rows : (r + 1) * rows] if a.shape[0] == reps * rows else a for a in args))
+            for r in range(reps)
         ]
-        np.testing.assert_allclose(body(*args), sum(parts), rtol=1e-5, atol=1e-5)
-        np.testing.assert_raises(
-            AssertionError, np.testing.assert_allclose, body(*args), reps * parts[0], rtol=1e-5
-        )
+        whole = sum(parts) if i == 2 else jnp.concatenate(parts)
+        np.testing.assert_allclose(body(*args), whole, rtol=1e-5, atol=1e-5)
+        same_rows = reps * parts[0] if i == 2 else jnp.concatenate([parts[0]] * reps)
+        assert not np.allclose(body(*args), same_rows, rtol=1e-5)
 
 
 def test_the_gmm_pass_curves_come_from_each_points_passes():

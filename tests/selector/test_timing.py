@@ -123,6 +123,18 @@ def test_each_tiled_gmm_pass_is_priced_on_its_own_curve_else_the_forwards():
     assert price(work, passes).compute == pytest.approx(3e6 / 20e9 + 3e6 / 30e9 + 3e6 / 4e9)
 
 
+def test_a_visits_loop_ops_are_priced_only_where_no_gmm_curve_holds_them():
+    """The gmm curve times a visit with its loop body's ops, so a machine with one
+    prices only the rest of the ops and trips; one without (TPU, GPU) prices them all."""
+    work = Work(
+        (("tile", 1e6, 3),), *(0.0,) * 5, 1000, 100, tile_visit_ops=600, tile_visit_trips=40
+    )
+    bare = _hw(launch_us=2.0, loop_trip_us=3.0, call_us=0.0)
+    measured = _hw(launch_us=2.0, loop_trip_us=3.0, call_us=0.0, gmm_curve=[[1.0, 0.01]])
+    assert price(work, bare).overhead == pytest.approx((1000 * 2.0 + 100 * 3.0) * 1e-6)
+    assert price(work, measured).overhead == pytest.approx((400 * 2.0 + 60 * 3.0) * 1e-6)
+
+
 def test_gathered_tiled_gmm_dots_counted_by_hand():
     """tiny over fsdp 8 (8 experts, emb 64, hidden 128; 256 tokens a device, k=2, so 64
     rows an expert: one 64-row tile each): forward 3 dots a tile, the backward 6 more;
@@ -138,6 +150,14 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
         ("tile_input_grad", tile): 8 * 3,
         ("tile_weight_grad", tile): 8 * 3,
     }
+    # tiled_gmm's loop bodies, a visit's: 8 row trips in each of 4 row passes (gate and
+    # up, out; their input gradients), 11 + 1 or 8 + 1 ops a trip; the weight
+    # gradients' loop per expert (14 + 1 ops, and 4 for its tile under the big class),
+    # 3 times; trips: 8 in each row pass, 8 experts in each weight gradient.
+    assert work.tile_visit_ops == 8 * (12 + 9 + 9 + 12) + 3 * 8 * (15 + 4)
+    assert work.tile_visit_trips == 8 * 4 + 3 * 8
+    assert work.ops > work.tile_visit_ops  # the passes' setup and the program's own
+    assert work.loop_trips == work.tile_visit_trips  # a gathered block loops over tiles only
     # Rows taken and added back (forward) and their transposes (backward), the sort, and
     # the ids, weights and sizes.
     rows = 512
