@@ -4,9 +4,10 @@ machine's constants. Nothing here is fitted to a candidate's timing.
 A step is counted as `Work` (`count_work`), read off the layers' programs:
 
 - dots: every matmul, by its size in FLOPs: the grouped matmul's tiles as its tile plan
-  visits them (`selector.tiles`; forward three dots a tile, the backward six, eight in
-  the exchange's backward, which recomputes the two input products), the dense and
-  capacity paths' einsums, the router and the shared experts;
+  visits them (`selector.tiles`), by tiled_gmm's pass (forward three dots a tile, two
+  more in the exchange's backward, which recomputes the two input products; three
+  input gradients and three weight gradients), the dense and capacity paths' einsums,
+  the router and the shared experts;
 - memory bytes: activations written and read back, and the expert weights read;
 - gather bytes: rows moved by gathers and scatters (sorting the routed rows by expert,
   packing the exchange's round buffers, adding results back into the tokens);
@@ -25,11 +26,12 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 
 `price` turns work into four parts with the constants of `Hardware` (conf/hardware/):
 
-    compute  = sum over dots of FLOPs / rate(dot size)       (the matmul curve, or peak)
+    compute  = sum over dots of FLOPs / rate(dot size)       (its kind's curve, or peak)
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
-    overhead = call + ops x launch + loop trips x loop trip
+    overhead = call + ops x launch + loop trips x loop trip   (less tiled_gmm's
+               loop-body ops and trips where a measured gmm curve holds them)
 
 Where the machine has the in-place rates (`weight_gather_gbps`, `weight_scatter_gbps`:
 measured on CPU), the routed weights gathered over the embed axes within a slice are
@@ -38,6 +40,8 @@ relayout and transpose copies not priced apart (the rates hold them).
 
 The matmul curve is measured as the grouped matmul runs a tile (a dot in a loop, its
 rows sliced and its product written in place), so a dot's own launch is in its rate.
+The gmm curves time each of tiled_gmm's passes as a call adds it inside a loop of calls,
+so a visit's loop-body ops are in their rates.
 
 On CPU every constant is measured (`python -m bench.calibration.machine`); on TPU and GPU the
 matmul peak and the bandwidths are the vendors' published figures, and the constants
