@@ -58,7 +58,7 @@ class Layout:
       ...     "search_global_batch=8"]))
       >>> first = found.layouts[0]
       >>> first.overrides[:3], first.verdict.value
-      (['ici_data_parallelism=1', 'ici_fsdp_parallelism=1', 'ici_context_parallelism=1'], 'yes')
+      (['ici_data_parallelism=8', 'ici_fsdp_parallelism=1', 'ici_context_parallelism=1'], 'yes')
     """
 
     settings: dict
