@@ -480,3 +480,43 @@ def test_auto_weighs_every_expert_group_by_the_same_count():
     assert "expert groups weighed: context " in text and "fsdp+context " in text
     if plan.placement.exchange is Exchange.all_to_all:
         assert plan.shaped_config(2, 4096).expert_group is plan.placement.group
+
+
+def test_the_gmm_loops_ops_and_trips_counted_by_hand():
+    """tiled_gmm's loops over one call, by hand (`TILE_OPS` 11 and 8 a trip with two or
+    one weights, + 1 each; 2 ops a loop's setup, 5 loops on an array of 4 classes and a
+    tail; the weight gradient 14 + 1 an expert, 5 a big tile, 4 a smaller one, + 2):
+    serving runs two row passes; training four more row passes' worth when exchanged
+    (the recomputed gate and up) and three weight gradients; the other kernels visit
+    rows, not tiles."""
+    from types import SimpleNamespace
+
+    serve, train = SimpleNamespace(tile=128, train=False), SimpleNamespace(tile=128, train=True)
+    eight = [([64] * 8, 512)]  # 8 experts of one 64-row tile: under the big class
+    loops = _gmm_loops("tiled_gmm", eight, serve, False)
+    assert loops.tiles == ((64, 8),)
+    assert (loops.visit_ops, loops.ops) == (8 * (12 + 9), 8 * (12 + 9) + 2 * 5 * 2)
+    assert loops.visit_trips == loops.trips == 8 * 2
+    loops = _gmm_loops("tiled_gmm", eight, train, True)
+    rows = 8 * (12 + 9 + 9 + 12 + 12)  # forward, input gradients, recomputed gate and up
+    weight_grads = 3 * (8 * 15 + 8 * 4)
+    assert loops.visit_ops == rows + weight_grads
+    assert loops.ops == rows + 2 * 5 * 5 + weight_grads + 3 * 2
+    assert loops.visit_trips == loops.trips == 8 * 5 + 3 * 8
+    one = [([1024], 1024)]  # one expert of two 512-row tiles: the big class
+    loops = _gmm_loops("tiled_gmm", one, train, False)
+    assert loops.tiles == ((512, 2),)
+    assert loops.visit_ops == 2 * (12 + 9 + 9 + 12) + 3 * (15 + 2 * 5)
+    assert loops.ops == loops.visit_ops + 2 * 5 * 4 + 3 * 2
+    assert loops.visit_trips == 2 * 4 + 3 * (1 + 2)
+    # Calls add up (an exchange's slots are many calls).
+    both = _gmm_loops("tiled_gmm", eight + one, train, True)
+    apart = [_gmm_loops("tiled_gmm", c, train, True) for c in (eight, one)]
+    for field in ("ops", "trips", "visit_ops", "visit_trips"):
+        assert getattr(both, field) == sum(getattr(a, field) for a in apart), field
+    # Pallas visits `tile`-row tiles over the rows; ragged_dot one dot over them all.
+    pallas = SimpleNamespace(tile=64, train=False)
+    assert _gmm_loops("pallas_megablox", [([100, 28], 128)], pallas, False).tiles == ((64, 2.0),)
+    assert _gmm_loops("ragged_dot", [([100, 28], 128)], serve, False).tiles == ((128, 1.0),)
+    assert _gmm_loops("ragged_dot", [([0, 0], 16)], serve, False).tiles == ((1, 1.0),)
+    assert _gmm_loops("ragged_dot", [([0, 0], 16)], serve, False).ops == 0
