@@ -13,6 +13,7 @@ compared: these machines are noisy).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -153,6 +154,16 @@ def maxtext_case(base: str, args: list[str], timeout: int) -> dict:
     return row
 
 
+def _same(a, b) -> bool:
+    """Equal, floats to 1e-9 relative: Python 3.12's sum() of floats rounds otherwise
+    than 3.11's (compensated), so a stored step time differs in its last digit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9)
+    return a == b
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -182,7 +193,7 @@ def main(argv=None) -> int:
         stored = json.loads((RESULTS / "search.json").read_text())["cases"][CHECKED]
         now = run_case(CASES[CHECKED], 1)
         keys = ("meshes", "checked", "layouts", "refused", "first")
-        diff = [k for k in keys if now[k] != stored[k]]
+        diff = [k for k in keys if not _same(now[k], stored[k])]
         if diff:
             print(
                 f"bench.search --check: {', '.join(diff)} differ from search.json; re-run "
