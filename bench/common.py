@@ -328,6 +328,12 @@ def arguments(study: str, doc: str, plot, **options) -> argparse.Namespace | Non
     return args
 
 
+def same_number(a: float, b: float) -> bool:
+    """Whether a recomputed count equals its stored value, to 1e-9 relative (floats
+    summed in another order, or by another Python's sum(), differ in the last digits)."""
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
+
+
 def check_stored(
     study: str,
     fresh: list[dict],
@@ -360,7 +366,7 @@ def check_stored(
             continue
         for column in (*counted, *(compiled if same_stack else ())):
             a, b = row[column], old[column]
-            if abs(a - b) > 1e-9 * max(abs(a), abs(b), 1.0):
+            if not same_number(a, b):
                 diffs.append(f"{column} of {[row[k] for k in key]}: {a:.6g} now, {b:.6g} stored")
     compared = (["counts"] if counted else []) + (
         ["compiled bytes"] if same_stack and compiled else []

@@ -13,12 +13,11 @@ compared: these machines are noisy).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 
-from bench.common import RESULTS, median, pyplot, save
+from bench.common import RESULTS, median, pyplot, same_number, save
 
 CASES = {
     "tiny, 8 CPU devices": ["model=tiny", "mesh=cpu_8", "search_global_batch=8"],
@@ -155,12 +154,13 @@ def maxtext_case(base: str, args: list[str], timeout: int) -> dict:
 
 
 def _same(a, b) -> bool:
-    """Equal, floats to 1e-9 relative: Python 3.12's sum() of floats rounds otherwise
-    than 3.11's (compensated), so a stored step time differs in its last digit."""
+    """Equal, floats as `check_stored` compares counts: Python 3.12's sum() of floats
+    rounds otherwise than 3.11's (compensated), so a stored step time differs in its
+    last digit."""
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-9)
+        return same_number(a, b)
     return a == b
 
 
