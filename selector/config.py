@@ -224,6 +224,10 @@ class Hardware(Frozen):
     # reduce-scatters of their gradients.
     weight_gather_gbps: float = 0.0
     weight_scatter_gbps: float = 0.0
+    # An activation a fused pass writes in another layout (bytes read and written, GB/s;
+    # 0: the weights' copy rates above): keeping its minor dimension, changing it.
+    activation_relayout_gbps: float = 0.0
+    activation_transpose_gbps: float = 0.0
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
     # Per-op costs (microseconds); None where the preset has no figure (not counted).

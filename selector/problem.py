@@ -78,6 +78,8 @@ class DeviceProblem:
     hidden_dcn: int = 1
     kernel: str = "tiled_gmm"  # the grouped-matmul backend (gmm_backend)
     shared_gate: bool = False  # the shared experts' output scaled by a sigmoid gate
+    # The dense path's activations written in another layout (Traits.dense_activation_copies)
+    dense_copies: tuple[int, ...] = (0, 0, 0, 0)
     embed_gathered: int = 1  # devices the weights' embed dim is gathered from
     relayouts: tuple[str, ...] = ()  # matrices relaid around that gather (Traits)
     # The grouped matmul's tiling (megablox; `tile` is its tm) and the tiles priced.
@@ -100,6 +102,7 @@ def problem_shape(
     gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
     gathered = mesh.product(gathered_axes)
     replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
+    compiler = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
     p = DeviceProblem(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
@@ -134,9 +137,8 @@ def problem_shape(
         kernel=gmm_backend(cfg),
         shared_gate=cfg.shared_expert_gate and cfg.shared_experts > 0,
         embed_gathered=mesh.product(place.embed_axes),
-        relayouts=traits(
-            cfg.hardware.platform, jax_release(cfg.hardware.jax_version)
-        ).gather_relayouts,
+        relayouts=compiler.gather_relayouts,
+        dense_copies=compiler.dense_activation_copies[cfg.mode is Mode.train],
     )
     return with_tiling(cfg, p)
 

@@ -11,6 +11,9 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 - memory bytes: activations written and read back, and the expert weights read;
 - gather bytes: rows moved by gathers and scatters (sorting the routed rows by expert,
   packing the exchange's round buffers, adding results back into the tokens);
+- activation copies: the dense path's (tokens, E, H) and (tokens, E, M) activations a
+  compiler writes in another layout (`Traits.dense_activation_copies`), read and
+  written once each, priced at the activation relayout and transpose rates;
 - relayout and transpose bytes: the copies a compiler makes of a routed weight matrix
   gathered over the embed axes, to put it back in its layout (and of its gradient before
   the reduce-scatter), read and written once each way (`Traits.gather_relayouts`): the
@@ -29,6 +32,7 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
     compute  = sum over dots of FLOPs / rate(dot size)       (its kind's curve, or peak)
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
+               + activation copies / their relayout and transpose bandwidths
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
     overhead = call + ops x launch + loop trips x loop trip   (less tiled_gmm's
                loop-body ops and trips where a measured gmm curve holds them)
@@ -102,6 +106,10 @@ class Work:
     # (within a slice), and its gradient's by their reduce-scatters; part of ici_bytes.
     weight_gather_bytes: float = 0.0
     weight_scatter_bytes: float = 0.0
+    # Activations a fused pass writes in another layout (read and written), keeping the
+    # minor dim and changing it (`Traits.dense_activation_copies`).
+    activation_relayout_bytes: float = 0.0
+    activation_transpose_bytes: float = 0.0
     # Of ops and loop_trips, those of tiled_gmm's loop bodies, a visit's: a measured gmm
     # curve times a visit with them (bench.calibration.machine), so they are priced
     # apart only where the machine has none.
@@ -198,6 +206,10 @@ def price(work: Work, hw: Hardware) -> TimeParts:
         + work.gather_bytes / ((hw.gather_gbps or hbm) * 1e9)
         + relayout / ((hw.relayout_gbps or hbm) * 1e9)
         + transpose / ((hw.transpose_gbps or hbm) * 1e9)
+        + work.activation_relayout_bytes
+        / ((hw.activation_relayout_gbps or hw.relayout_gbps or hbm) * 1e9)
+        + work.activation_transpose_bytes
+        / ((hw.activation_transpose_gbps or hw.transpose_gbps or hbm) * 1e9)
     )
     network = (
         work.collectives * (hw.collective_latency_us or 0.0) * 1e-6
@@ -292,7 +304,7 @@ def count_work(
         dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd))  # router logits
     if p.Hs:
         dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd)))  # shared experts
-    ops = trips = gather = visit_ops = visit_trips = 0.0
+    ops = trips = gather = visit_ops = visit_trips = copied_keep = copied_change = 0.0
     collectives = 1.0  # the statistics' sum over the token axes
     collectives += (1 + (p.train)) * (p.hidden_shards > 1)  # hidden axes' partial sums
     # Weight all-gathers in (reduce-scatters out): the three routed matrices over the
@@ -339,6 +351,11 @@ def count_work(
         dots.append(_ffn_dots("batched", p.T * p.E_c, p, 3 * (1 + bwd)))
         dots.append(("batched", 2 * p.T * p.E_c * p.M, 1 + bwd))  # the combine
         ops += PROGRAM_OPS[("dense", p.train)]
+        hidden_keep, hidden_change, out_keep, out_change = p.dense_copies
+        hidden = 2 * p.T * p.E_c * p.H * p.xb  # a (T, E, H) activation read and written
+        out = 2 * p.T * p.E_c * p.M * p.xb  # a (T, E, M) one
+        copied_keep = hidden_keep * hidden + out_keep * out
+        copied_change = hidden_change * hidden + out_change * out
     elif strategy is Dispatch.mlp:
         dots.append(_ffn_dots("plain", p.T, p, 3 * (1 + bwd)))
         ops += PROGRAM_OPS[("dense", p.train)]
@@ -368,6 +385,8 @@ def count_work(
         weight_scatter_bytes=received * p.train,
         tile_visit_ops=visit_ops,
         tile_visit_trips=visit_trips,
+        activation_relayout_bytes=copied_keep,
+        activation_transpose_bytes=copied_change,
     )
 
 
@@ -385,6 +404,14 @@ def priced_by(hw: Hardware) -> str:
         f"gathers {hw.gather_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
         f"relayouts {hw.relayout_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
         f"transposes {hw.transpose_gbps or hw.hbm_bandwidth_gbps:g} GB/s",
+        *(
+            [
+                f"activations relaid {hw.activation_relayout_gbps:g} GB/s, transposed"
+                f" {hw.activation_transpose_gbps:g} GB/s"
+            ]
+            if hw.activation_relayout_gbps and hw.activation_transpose_gbps
+            else []
+        ),
         *(
             [
                 f"weights gathered in place {hw.weight_gather_gbps:g} GB/s, their"

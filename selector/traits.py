@@ -63,6 +63,15 @@ class Traits:
         jax 0.12's XLA:GPU runs the grouped matmul's loops on the gathered layout, with
         no copy; XLA:TPU (libtpu 0.0.42 and 0.0.50) gathers the gate and up matrices in
         place and copies only the out matrix.
+      dense_activation_copies: the dense path's activations the compiled block writes
+        in another layout, (forward, training), each (hidden keeping its minor dim,
+        hidden changing it, per-expert output keeping it, changing it): a hidden
+        activation is (tokens, E, H), a per-expert output (tokens, E, M). Read in the
+        compiled dense block (8 devices, context 8, E 24, k 6, 1,024 tokens a device;
+        jax 0.10.2 and 0.12.0.1; `tests/selector/test_timing.py` compiles it again):
+        XLA:CPU computes each expert's batch in an expert-major layout and copies the
+        results to and from the token-major one, fused into the elementwise passes
+        around the einsums; XLA:TPU and XLA:GPU choose layouts that need no copy.
       exchange_row_buffers: how many (G, B, M) round buffers of the exchange the
         program holds at its peak, (forward, training). Read in the buffer assignments
         and live ranges of exchanged blocks compiled ahead of time (Qwen3-30B-A3B,
@@ -131,6 +140,7 @@ class Traits:
     capacity_masks_f32: tuple[float, float] = (0.0, 0.0)
     capacity_masks_compute: tuple[float, float] = (0.0, 0.0)
     gather_relayouts: tuple[str, ...] = ("gate_up", "out")
+    dense_activation_copies: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 0, 0, 0), (0, 0, 0, 0))
     exchange_row_buffers: tuple[int, int] = (2, 2)
     exchange_token_buffers: int = 2
     exchange_heap: tuple[float, float] = (1.0, 1.0)
@@ -171,6 +181,7 @@ TRAITS: dict[tuple[str, tuple[int, int]], Traits] = {
         weight_copy_in_f32=True,
         exchange_collective="all_to_all",
         exchange_token_buffers=0,
+        dense_activation_copies=((0, 1, 0, 1), (5, 3, 0, 2)),
         capacity_masks_f32=(3.0, 2.0),
         capacity_masks_compute=(1.0, 0.0),
         compiler_factor=1.45,

@@ -146,3 +146,69 @@ def relaid_gathers(hlo_text: str) -> set[int]:
             ):
                 found.add(gathered)
     return found
+
+
+# An instruction with one array result: name, dims, minor-to-major layout, opcode.
+_ARRAY = re.compile(
+    r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]"
+    r"\{(?P<layout>[\d,]*)[^}]*\} (?P<op>[\w\-]+)\("
+)
+_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape"}
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines}; the entry computation as "ENTRY"."""
+    out: dict[str, list[str]] = {}
+    name = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+            out[name] = []
+        elif name and line.startswith("  "):
+            out[name].append(line)
+    return out
+
+
+def _minor_size(dims: str, layout: str) -> int:
+    """The size of an array's physically minor dim."""
+    sizes = [int(d) for d in dims.split(",") if d]
+    order = [int(d) for d in layout.split(",") if d]
+    return sizes[order[0]] if order else 1
+
+
+def activation_copies(hlo_text: str, elements: dict[int, str]) -> dict[tuple[str, str], int]:
+    """The copies into another layout that the entry computation makes of arrays of the
+    sizes in `elements` ({element count: what it is}), itself or inside the fusions it
+    calls (a fusion may compute a value and write it transposed): each `copy` whose
+    result is laid out otherwise than its source (its operand, or the operand of the
+    `transpose` it copies). {(what, "keep" or "change"): how many}, "change" where the
+    copy's physically minor dim is not its source's (told apart by size, so the shapes
+    read should have distinct dims)."""
+    comps = _computations(hlo_text)
+    entry = comps.get("ENTRY", [])
+    called = {c for line in entry for c in re.findall(r"calls=%([\w.\-]+)", line)}
+    found: dict[tuple[str, str], int] = {}
+    for name in ["ENTRY", *sorted(called)]:
+        values = {m.group("name"): m for m in map(_ARRAY.match, comps.get(name, [])) if m}
+        for line in comps.get(name, []):
+            m = _ARRAY.match(line)
+            if not m or m.group("op") != "copy":
+                continue
+            n = math.prod(int(d) for d in m.group("dims").split(",") if d)
+            arg = re.search(r"copy\(%([\w.\-]+)\)", line)
+            src = values.get(arg.group(1)) if arg else None
+            if n not in elements or src is None:
+                continue
+            if src.group("op") == "transpose":
+                inner = re.search(r"transpose\(%([\w.\-]+)\)", src.string)
+                src = values.get(inner.group(1)) if inner else None
+                if src is None:
+                    continue
+            elif (src.group("dims"), src.group("layout")) == (m.group("dims"), m.group("layout")):
+                continue  # a copy in the same layout moves nothing into another
+            same = _minor_size(src.group("dims"), src.group("layout")) == _minor_size(
+                m.group("dims"), m.group("layout")
+            )
+            key = (elements[n], "keep" if same else "change")
+            found[key] = found.get(key, 0) + 1
+    return found

@@ -39,6 +39,13 @@ single op, so the cost of calling a program drops out:
   the difference, the median over 3 shapes and the two collectives. The middle dim's
   copy keeps the minor dim (the gate and up matrices'), the minor dim's changes it (the
   out matrix's);
+- activation_relayout_gbps, activation_transpose_gbps (`--activation_copies`, apart
+  from the rest): an elementwise pass over a (T, E, H) float32 activation written in
+  another layout, keeping its minor dim ((E, T, H)) or changing it ((E, H, T)), less
+  the same pass written in place; bytes read and written (twice the array) per second
+  of the difference, the median over 5 shapes off the picks' sets. The dense path's
+  programs on XLA:CPU write its hidden and per-expert activations so
+  (`selector.traits.Traits.dense_activation_copies`);
 - loop_trip_us: a fori_loop of 1,000 trips whose body is one 4 x 4 dot, per trip less
   one launch (the loop's own cost a trip; 0 when a trip costs no more than its dot);
 - weight_gather_gbps, weight_scatter_gbps (`--weight_gathers`, apart from the rest): the
@@ -55,6 +62,7 @@ reads no study's output); tests/test_machine.py checks the file against this stu
     python -m bench.calibration.machine --write    # and conf/hardware/cpu.yaml
     python -m bench.calibration.machine --relayouts --write  # those two rates alone
     python -m bench.calibration.machine --weight_gathers --write  # the in-place rates alone
+    python -m bench.calibration.machine --activation_copies --write  # the activation copy rates alone
 """
 
 from __future__ import annotations
@@ -78,6 +86,13 @@ MATMUL_KN = ((64, 128), (192, 384), (640, 1280))
 TRIPS = 32
 COLLECTIVE_ROWS = (16, 128, 1024, 4096, 16384)  # rows of 128 float32 a device
 RELAYOUT_SHAPES = ((64, 192, 384), (32, 96, 192), (16, 192, 768))  # (E, M, H) gathered
+ACTIVATION_COPY_SHAPES = (  # (T, E, H)
+    (1536, 16, 256),
+    (512, 40, 320),
+    (2048, 6, 448),
+    (1024, 12, 640),
+    (4096, 4, 160),
+)
 CURVES = ("matmul_curve", "gmm_curve", "einsum_curve")
 SCALARS = (
     "call_us",
@@ -91,6 +106,8 @@ SCALARS = (
     "transpose_gbps",
     "weight_gather_gbps",
     "weight_scatter_gbps",
+    "activation_relayout_gbps",
+    "activation_transpose_gbps",
 )
 
 
@@ -500,6 +517,39 @@ def relayouts() -> tuple[float, float, list[dict]]:
     return median(rates[1]), median(rates[2]), rows
 
 
+def activation_copies(shapes=ACTIVATION_COPY_SHAPES) -> tuple[float, float, list[dict]]:
+    """(relayout GB/s, transpose GB/s, rows): what writing a (T, E, H) activation in
+    another layout costs beyond writing it in place, for an elementwise pass that keeps
+    the minor dim ((E, T, H)) and one that changes it ((E, H, T)), as bytes the copy
+    reads and writes per second."""
+    import jax.numpy as jnp
+
+    rows, rates = [], {"keep": [], "change": []}
+    for t, e, h in shapes:
+        order = {"in place": (0, 1, 2), "keep": (1, 0, 2), "change": (1, 2, 0)}
+        seconds = {}
+        for name, axes in order.items():
+
+            def body(x, t=t, e=e, h=h, axes=axes):
+                y = jnp.transpose(x.reshape(t, e, h), axes) * 1.0001 + 0.5
+                return y.reshape(t, e * h)
+
+            seconds[name] = _timed(*_flat(_program(body, (t, e * h))))
+        moved = 2 * 4 * t * e * h
+        for name in ("keep", "change"):
+            rate = moved / max(seconds[name] - seconds["in place"], 1e-9) / 1e9
+            rates[name].append(rate)
+            rows.append(
+                {
+                    "shape": f"{t}x{e}x{h}",
+                    "minor_dim": name,
+                    "ms_more": (seconds[name] - seconds["in place"]) * 1e3,
+                    "gbps": rate,
+                }
+            )
+    return median(rates["keep"]), median(rates["change"]), rows
+
+
 # (E, M, H, rows an expert) of the weight-gather study: off the picks' judge and dev sets.
 WEIGHT_GATHER_SHAPES = (
     (32, 128, 256, 16),
@@ -649,6 +699,8 @@ def measure() -> dict:
     }
     gathered = weight_gathers(constants)
     constants.update(weight_gather_rates(gathered))
+    keep, change, copy_rows = activation_copies()
+    constants.update(activation_relayout_gbps=keep, activation_transpose_gbps=change)
     curve = matmul_curve()
     return {
         "machine": machine(),
@@ -661,6 +713,7 @@ def measure() -> dict:
         "collectives": collective_rows,
         "relayouts": relayout_rows,
         "weight_gathers": gathered,
+        "activation_copies": copy_rows,
     }
 
 
@@ -773,6 +826,10 @@ def main() -> int:
             "action": "store_true",
             "help": "measure only the routed weights' gathers in place, into the stored study",
         },
+        activation_copies={
+            "action": "store_true",
+            "help": "measure only the activation relayout and transpose rates, into the stored study",
+        },
         gmm_tiles={
             "type": lambda text: tuple(int(t) for t in text.split(",")),
             "default": GMM_TILES,
@@ -786,6 +843,11 @@ def main() -> int:
         relayout, transpose, payload["relayouts"] = relayouts()
         payload["constants"].update(relayout_gbps=relayout, transpose_gbps=transpose)
         payload["relayouts_machine"] = machine()
+    elif args.activation_copies:
+        payload = load(STUDY)
+        keep, change, payload["activation_copies"] = activation_copies()
+        payload["constants"].update(activation_relayout_gbps=keep, activation_transpose_gbps=change)
+        payload["activation_copies_machine"] = machine()
     elif args.weight_gathers:
         payload = load(STUDY)
         rows = weight_gathers(payload["constants"])

@@ -62,6 +62,27 @@ def test_each_part_is_its_counts_over_its_constants():
         _hw(relayout_gbps=1.5, transpose_gbps=0.25),
     )
     assert relaid.memory == pytest.approx(3e9 / 1.5e9 + 1e9 / 0.25e9)
+    # Activations written in another layout: at their own rates, else the weights'
+    # copy rates, else the HBM's.
+    copied = Work(
+        (),
+        0.0,
+        0.0,
+        0,
+        0.0,
+        0.0,
+        0,
+        0,
+        activation_relayout_bytes=3e9,
+        activation_transpose_bytes=1e9,
+    )
+    own = _hw(relayout_gbps=1.5, transpose_gbps=0.25)
+    own = _hw(**{**own.__dict__, "activation_relayout_gbps": 0.6, "activation_transpose_gbps": 0.2})
+    assert price(copied, own).memory == pytest.approx(3e9 / 0.6e9 + 1e9 / 0.2e9)
+    assert price(copied, _hw(relayout_gbps=1.5, transpose_gbps=0.25)).memory == pytest.approx(
+        3e9 / 1.5e9 + 1e9 / 0.25e9
+    )
+    assert price(copied, _hw()).memory == pytest.approx(4e9 / 2e9)
     assert parts.network == pytest.approx(5 * 10e-6 + 8e9 / 4e9 + 1e9 / 1e9)
     assert parts.overhead == pytest.approx((100 + 1000 * 2 + 200 * 3) * 1e-6)
     assert parts.total == pytest.approx(sum(parts.as_dict().values()))
@@ -337,6 +358,107 @@ def test_the_relayout_trait_is_what_the_compiled_program_does(hardware):
     said = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version)).gather_relayouts
     expected = {dim for dim, name in ((1, "gate_up"), (2, "out")) if name in said}
     assert relaid_gathers(program.as_text()) == expected
+
+
+# A dense block whose dims all differ, so a copy's minor dim is told by its size:
+# 512 tokens a device, E 12, M 96, H 160.
+DENSE_SHAPE = (
+    "ici_context_parallelism=8",
+    "per_device_batch_size=0.125",
+    "max_target_length=4096",
+    "num_experts=12",
+    "num_experts_per_tok=3",
+    "base_emb_dim=96",
+    "base_moe_mlp_dim=160",
+    "dispatch=dense",
+)
+
+
+@pytest.mark.parametrize("mode", ["train", "prefill"])
+@pytest.mark.parametrize("hardware", ["cpu", "h200", "v5p"])
+def test_the_dense_copies_trait_is_what_the_compiled_program_does(hardware, mode):
+    """The dense block compiled for 8 devices (XLA:CPU here, XLA:GPU and XLA:TPU ahead
+    of time) writes its (T, E, H) and (T, E, M) activations in another layout exactly
+    as often as `Traits.dense_activation_copies` says, keeping or changing the minor
+    dim."""
+    from hlo import activation_copies
+
+    from checks.compiled import compile_plan
+    from selector.traits import jax_release, traits
+
+    chip = [] if hardware == "cpu" else [f"hardware={hardware}"]
+    cfg = typed(*chip, *DENSE_SHAPE, f"mode={mode}")
+    needs = {"h200": "jax_plugins.xla_cuda12", "v5p": "libtpu"}.get(hardware)
+    if needs:
+        pytest.importorskip(needs, reason=f"the compiler for {hardware} is not installed")
+    _, program, _, _ = compile_plan(cfg, selector.resolve(cfg))
+    said = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
+    hidden_keep, hidden_change, out_keep, out_change = said.dense_activation_copies[mode == "train"]
+    tokens, experts = 512, 12
+    found = activation_copies(
+        program.as_text(), {tokens * experts * 160: "hidden", tokens * experts * 96: "out"}
+    )
+    assert found == {
+        key: n
+        for key, n in (
+            (("hidden", "keep"), hidden_keep),
+            (("hidden", "change"), hidden_change),
+            (("out", "keep"), out_keep),
+            (("out", "change"), out_change),
+        )
+        if n
+    }
+
+
+def test_the_dense_copies_are_counted_and_priced_at_the_activation_rates():
+    """The dense count's activation copies, by hand: each (T, E, H) or (T, E, M) array
+    read and written once a copy, as many as the compiler's trait says (XLA:CPU: 5 and
+    3 hidden, 2 per-expert outputs changing the minor dim, training; 1 and 1 forward),
+    none on TPU; priced in the memory part at the activation rates."""
+    for mode, (keep, change, out_change) in (("train", (5, 3, 2)), ("prefill", (0, 1, 1))):
+        cfg = typed(*DENSE_SHAPE, f"mode={mode}")
+        est = selector.resolve(cfg).chosen_estimate
+        hidden = 2 * 512 * 12 * 160 * 4
+        out = 2 * 512 * 12 * 96 * 4
+        assert est.work.activation_relayout_bytes == keep * hidden
+        assert est.work.activation_transpose_bytes == change * hidden + out_change * out
+        hw = cfg.hardware
+        bare = price(
+            Work(
+                **{
+                    **est.work.__dict__,
+                    "activation_relayout_bytes": 0.0,
+                    "activation_transpose_bytes": 0.0,
+                }
+            ),
+            hw,
+        )
+        more = keep * hidden / (hw.activation_relayout_gbps * 1e9)
+        more += (change * hidden + out_change * out) / (hw.activation_transpose_gbps * 1e9)
+        assert est.time_parts.memory - bare.memory == pytest.approx(more)
+    tpu = selector.resolve(typed("hardware=v5p", *DENSE_SHAPE, "mode=train")).chosen_estimate
+    assert tpu.work.activation_relayout_bytes == tpu.work.activation_transpose_bytes == 0
+
+
+def test_the_activation_copy_rates_are_their_studys_medians():
+    """cpu.yaml's activation rates are the medians of the stored study's shapes: twice
+    the array's bytes over the time the copy adds, keeping the minor dim and changing
+    it."""
+    study = json.loads((ROOT / "bench/results/machine_cpu.json").read_text())
+    rows = study["activation_copies"]
+    assert len(rows) == 10
+    hw = selector.to_config(selector.compose(["model=tiny", "mesh=cpu_8"])).hardware
+    for name, minor in (
+        ("activation_relayout_gbps", "keep"),
+        ("activation_transpose_gbps", "change"),
+    ):
+        rates = []
+        for r in rows:
+            if r["minor_dim"] == minor:
+                t, e, h = (int(d) for d in r["shape"].split("x"))
+                rates.append(2 * 4 * t * e * h / (r["ms_more"] * 1e-3) / 1e9)
+        assert len(rates) == 5
+        assert getattr(hw, name) == pytest.approx(statistics.median(rates), rel=5e-4), name
 
 
 PASSES = ("tile", "tile_input_grad", "tile_weight_grad")
