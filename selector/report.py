@@ -233,6 +233,7 @@ def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
     for c in plan.candidates:
         e, w = c.estimate, c.estimate.work
         t = e.time_parts
+        copied = w.activation_relayout_bytes + w.activation_transpose_bytes
         lines.append(
             f"{'*' if c.chosen else ' '} {c.name:<21} {e.time_s * 1e3:>8.3g} = "
             f"{t.compute * 1e3:.3g} + {t.memory * 1e3:.3g} + {t.network * 1e3:.3g} + "
@@ -242,7 +243,13 @@ def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
             _wrap(
                 f"{w.flops / 1e9:,.4g} GFLOP in {w.dot_count:,.0f} dots; "
                 f"{w.memory_bytes / 1e9:.3g} GB through memory, {w.gather_bytes / 1e9:.3g} GB "
-                f"gathered, {(w.relayout_bytes + w.transpose_bytes) / 1e9:.3g} GB relaid; "
+                f"gathered, {(w.relayout_bytes + w.transpose_bytes) / 1e9:.3g} GB relaid"
+                + (
+                    f", {copied / 1e9:.3g} GB of activations copied into another layout"
+                    if copied
+                    else ""
+                )
+                + "; "
                 f"{w.collectives:,.0f} collectives, {w.ici_bytes / 1e9:.3g} GB over "
                 f"ICI, {w.dcn_bytes / 1e9:.3g} GB over DCN; {w.ops:,.0f} other ops, "
                 f"{w.loop_trips:,.0f} loop trips",

@@ -153,7 +153,6 @@ _ARRAY = re.compile(
     r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]"
     r"\{(?P<layout>[\d,]*)[^}]*\} (?P<op>[\w\-]+)\("
 )
-_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape"}
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
@@ -169,11 +168,10 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
     return out
 
 
-def _minor_size(dims: str, layout: str) -> int:
-    """The size of an array's physically minor dim."""
-    sizes = [int(d) for d in dims.split(",") if d]
-    order = [int(d) for d in layout.split(",") if d]
-    return sizes[order[0]] if order else 1
+def _physical(value: re.Match) -> list[int]:
+    """An array's dim sizes in memory order, minor first."""
+    sizes = [int(d) for d in value.group("dims").split(",") if d]
+    return [sizes[int(d)] for d in value.group("layout").split(",") if d]
 
 
 def activation_copies(hlo_text: str, elements: dict[int, str]) -> dict[tuple[str, str], int]:
@@ -181,9 +179,9 @@ def activation_copies(hlo_text: str, elements: dict[int, str]) -> dict[tuple[str
     sizes in `elements` ({element count: what it is}), itself or inside the fusions it
     calls (a fusion may compute a value and write it transposed): each `copy` whose
     result is laid out otherwise than its source (its operand, or the operand of the
-    `transpose` it copies). {(what, "keep" or "change"): how many}, "change" where the
-    copy's physically minor dim is not its source's (told apart by size, so the shapes
-    read should have distinct dims)."""
+    `transpose` it copies) in another order in memory. {(what, "keep" or "change"): how
+    many}, "change" where the copy's physically minor dim is not its source's. Dims are
+    told apart by size, so the shapes read should have distinct dims."""
     comps = _computations(hlo_text)
     entry = comps.get("ENTRY", [])
     called = {c for line in entry for c in re.findall(r"calls=%([\w.\-]+)", line)}
@@ -204,11 +202,9 @@ def activation_copies(hlo_text: str, elements: dict[int, str]) -> dict[tuple[str
                 src = values.get(inner.group(1)) if inner else None
                 if src is None:
                     continue
-            elif (src.group("dims"), src.group("layout")) == (m.group("dims"), m.group("layout")):
-                continue  # a copy in the same layout moves nothing into another
-            same = _minor_size(src.group("dims"), src.group("layout")) == _minor_size(
-                m.group("dims"), m.group("layout")
-            )
+            if _physical(src) == _physical(m):
+                continue  # the same order in memory: nothing moves
+            same = _physical(src)[:1] == _physical(m)[:1]
             key = (elements[n], "keep" if same else "change")
             found[key] = found.get(key, 0) + 1
     return found
