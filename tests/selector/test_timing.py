@@ -89,6 +89,52 @@ def test_each_part_is_its_counts_over_its_constants():
     assert work.flops == 8e9 and work.dot_count == 5
 
 
+def test_each_byte_count_is_priced_exactly_at_its_rate():
+    """Bytes over GB/s, exact where the numbers are: 3e9 bytes at 1.5 GB/s are 2 s to the
+    last bit, for each kind of bytes on its own (a rate off by a part in a billion
+    shows here)."""
+    rates = dict(
+        hbm_bandwidth_gbps=1.5,
+        gather_gbps=1.5,
+        relayout_gbps=1.5,
+        transpose_gbps=1.5,
+        activation_relayout_gbps=1.5,
+        activation_transpose_gbps=1.5,
+        ici_bandwidth_gbps=1.5,
+        dcn_bandwidth_gbps=1.5,
+    )
+    hw = _hw(collective_latency_us=None, launch_us=None, loop_trip_us=None, call_us=None, **rates)
+    bare = dict(
+        dots=(),
+        memory_bytes=0.0,
+        gather_bytes=0.0,
+        collectives=0,
+        ici_bytes=0.0,
+        dcn_bytes=0.0,
+        ops=0,
+        loop_trips=0,
+    )
+    for field, part in (
+        ("memory_bytes", "memory"),
+        ("gather_bytes", "memory"),
+        ("relayout_bytes", "memory"),
+        ("transpose_bytes", "memory"),
+        ("activation_relayout_bytes", "memory"),
+        ("activation_transpose_bytes", "memory"),
+        ("ici_bytes", "network"),
+        ("dcn_bytes", "network"),
+    ):
+        parts = price(Work(**{**bare, field: 3e9}), hw)
+        assert parts.as_dict()[part] == 2.0 and parts.total == 2.0, field
+    in_place = _hw(**{**rates, "weight_gather_gbps": 1.5, "weight_scatter_gbps": 0.75})
+    gathered = Work(**{**bare, "ici_bytes": 3e9, "weight_gather_bytes": 3e9})
+    assert price(gathered, in_place).network == 2.0  # none left over ICI
+    both = Work(
+        **{**bare, "ici_bytes": 6e9, "weight_gather_bytes": 3e9, "weight_scatter_bytes": 3e9}
+    )
+    assert price(both, in_place).network == 6.0
+
+
 def test_a_preset_without_a_figure_counts_nothing_for_it_and_says_so():
     """No gather figure: gathers at the HBM bandwidth. No per-op figures (None): those
     parts cost nothing and `uncounted` names them."""
