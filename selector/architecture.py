@@ -49,7 +49,7 @@ class LayerParams:
         return self.attention + self.norms + self.dense_ffn + self.routed_active + self.moe_other
 
 
-def gqa_params(cfg: Config, gated: bool = False) -> int:
+def gqa_params(cfg: Config, *, gated: bool) -> int:
     """Grouped-query attention: query, key, value and output projections (the query
     twice as wide when it also yields a sigmoid output gate, Qwen3-Next), plus per-head
     query and key norms where the model has them."""

@@ -76,6 +76,38 @@ def test_qwen3_next_counted_layer_by_layer():
     assert params.moe_other - unshared.moe_other == 48 * (3 * 2048 * 512 + 2048)
 
 
+def test_which_layers_route_and_attend_in_full_by_hand():
+    """MaxText's layer pattern, counted by hand: after first_num_dense_layers dense
+    layers every interleave_moe_layer_step-th routes (6 layers, 1 dense, step 3: only
+    layer 3, whose experts count once); two experts are a mixture too; a dense layer
+    activates no expert; Qwen3-Next with a cycle of 1 attends in full in every layer,
+    and its gated shared expert is one block of the expert width whatever
+    shared_experts says (MaxText's models/qwen3.py)."""
+    from selector.architecture import layer_params
+
+    cfg = selector.to_config(selector.compose(["model=qwen3_30b_a3b"]))
+    expert = 3 * cfg.base_emb_dim * cfg.base_moe_mlp_dim
+    stepped = cfg.replace(base_num_decoder_layers=6, first_num_dense_layers=1)
+    stepped = stepped.replace(interleave_moe_layer_step=3)
+    assert [layer_params(stepped, n).routed_experts > 0 for n in range(6)] == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert model_params(stepped).routed_experts == cfg.num_experts * expert
+    assert layer_params(stepped, 0).routed_active == layer_params(stepped, 1).routed_active == 0
+    two = cfg.replace(num_experts=2, num_experts_per_tok=1)
+    assert model_params(two).routed_experts == cfg.base_num_decoder_layers * 2 * expert
+    nxt = selector.to_config(selector.compose(["model=qwen3_next_80b_a3b"]))
+    full = 2048 * 2 * 16 * 256 + 2 * 2048 * 2 * 256 + 4096 * 2048 + 2 * 256
+    every = nxt.replace(inhomogeneous_layer_cycle_interval=1)
+    assert model_params(every).attention == 48 * full
+    assert model_params(nxt.replace(shared_experts=2)).moe_other == model_params(nxt).moe_other
+
+
 def test_mixtral_counted_layer_by_layer():
     """Mixtral-8x7B from its config.json by hand: 32 layers of grouped-query attention
     without query or key norms (4096 -> 32 x 128 queries, 2 x 8 x 128 keys and values,
