@@ -148,11 +148,8 @@ def relaid_gathers(hlo_text: str) -> set[int]:
     return found
 
 
-# An instruction with one array result: name, dims, minor-to-major layout, opcode.
-_ARRAY = re.compile(
-    r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]"
-    r"\{(?P<layout>[\d,]*)[^}]*\} (?P<op>[\w\-]+)\("
-)
+# An instruction with one array result: `_VALUE`'s name, dims and layout, and its opcode.
+_ARRAY = re.compile(r"^\s*(?:ROOT )?" + _VALUE.pattern + r"(?P<op>[\w\-]+)\(")
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:

@@ -1,6 +1,7 @@
 """The counted time (selector.timing): what a candidate's program does, counted by hand
 here, and each part priced by the machine's constants."""
 
+import dataclasses
 import json
 import re
 import statistics
@@ -76,8 +77,12 @@ def test_each_part_is_its_counts_over_its_constants():
         activation_relayout_bytes=3e9,
         activation_transpose_bytes=1e9,
     )
-    own = _hw(relayout_gbps=1.5, transpose_gbps=0.25)
-    own = _hw(**{**own.__dict__, "activation_relayout_gbps": 0.6, "activation_transpose_gbps": 0.2})
+    own = _hw(
+        relayout_gbps=1.5,
+        transpose_gbps=0.25,
+        activation_relayout_gbps=0.6,
+        activation_transpose_gbps=0.2,
+    )
     assert price(copied, own).memory == pytest.approx(3e9 / 0.6e9 + 1e9 / 0.2e9)
     assert price(copied, _hw(relayout_gbps=1.5, transpose_gbps=0.25)).memory == pytest.approx(
         3e9 / 1.5e9 + 1e9 / 0.25e9
@@ -469,16 +474,10 @@ def test_the_dense_copies_are_counted_and_priced_at_the_activation_rates():
         assert est.work.activation_relayout_bytes == keep * hidden
         assert est.work.activation_transpose_bytes == change * hidden + out_change * out
         hw = cfg.hardware
-        bare = price(
-            Work(
-                **{
-                    **est.work.__dict__,
-                    "activation_relayout_bytes": 0.0,
-                    "activation_transpose_bytes": 0.0,
-                }
-            ),
-            hw,
+        uncopied = dataclasses.replace(
+            est.work, activation_relayout_bytes=0.0, activation_transpose_bytes=0.0
         )
+        bare = price(uncopied, hw)
         more = keep * hidden / (hw.activation_relayout_gbps * 1e9)
         more += (change * hidden + out_change * out) / (hw.activation_transpose_gbps * 1e9)
         assert est.time_parts.memory - bare.memory == pytest.approx(more)
