@@ -228,6 +228,11 @@ class Hardware(Frozen):
     # 0: the weights' copy rates above): keeping its minor dimension, changing it.
     activation_relayout_gbps: float = 0.0
     activation_transpose_gbps: float = 0.0
+    # The cache a device's running program holds (MiB; 0: none counted), and the rate a
+    # tiled_gmm tile visit streams its bytes from memory at when its call's arrays do
+    # not fit in it (GB/s; 0: not counted): `selector.timing.gmm_call_bytes`.
+    cache_mib: float = 0.0
+    gmm_streamed_gbps: float = 0.0
     ici_bandwidth_gbps: float = 10.0  # per device, GB/s out over the chip interconnect
     dcn_bandwidth_gbps: float = 5.0  # per device, GB/s out across slices / hosts
     # Per-op costs (microseconds); None where the preset has no figure (not counted).

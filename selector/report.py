@@ -234,6 +234,7 @@ def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
         e, w = c.estimate, c.estimate.work
         t = e.time_parts
         copied = w.activation_relayout_bytes + w.activation_transpose_bytes
+        streamed = w.streamed_bytes(cfg.hardware.cache_mib * 2**20)
         lines.append(
             f"{'*' if c.chosen else ' '} {c.name:<21} {e.time_s * 1e3:>8.3g} = "
             f"{t.compute * 1e3:.3g} + {t.memory * 1e3:.3g} + {t.network * 1e3:.3g} + "
@@ -247,6 +248,11 @@ def render_time(cfg: Config, plan: DispatchPlan) -> list[str]:
                 + (
                     f", {copied / 1e9:.3g} GB of activations copied into another layout"
                     if copied
+                    else ""
+                )
+                + (
+                    f", {streamed / 1e9:.3g} GB of tile visits streamed past the cache"
+                    if streamed and cfg.hardware.gmm_streamed_gbps
                     else ""
                 )
                 + "; "

@@ -11,6 +11,10 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 - memory bytes: activations written and read back, and the expert weights read;
 - gather bytes: rows moved by gathers and scatters (sorting the routed rows by expert,
   packing the exchange's round buffers, adding results back into the tokens);
+- streamed bytes: a tiled_gmm call whose rows in and out and experts' matrices
+  (`gmm_call_bytes`) do not fit in a device's cache streams each visit's tile rows and
+  matrix (`gmm_visit_bytes`, per dot) from memory; a call that fits (an exchange's
+  slots, mostly) runs at the gmm curve's rates alone, which are timed on calls that fit;
 - activation copies: the dense path's (tokens, E, H) and (tokens, E, M) activations a
   compiler writes in another layout (`Traits.dense_activation_copies`), read and
   written once each, priced at the activation relayout and transpose rates;
@@ -33,6 +37,7 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
                + activation copies / their relayout and transpose bandwidths
+               + streamed bytes (calls over the cache) / the streaming rate
     network  = collectives x latency + ICI bytes / ICI bandwidth + DCN bytes / DCN bandwidth
     overhead = call + ops x launch + loop trips x loop trip   (less tiled_gmm's
                loop-body ops and trips where a measured gmm curve holds them)
@@ -115,6 +120,17 @@ class Work:
     # apart only where the machine has none.
     tile_visit_ops: float = 0.0
     tile_visit_trips: float = 0.0
+    # tiled_gmm's calls: (the bytes a call works over, `gmm_call_bytes`; the bytes its
+    # visits' dots move over the step, `gmm_visit_bytes`), one entry per call size. A
+    # call too big for a device's cache streams its visits' bytes from memory
+    # (`streamed_bytes`); one that fits runs them at the gmm curve's rates alone.
+    gmm_calls: tuple[tuple[float, float], ...] = ()
+
+    def streamed_bytes(self, cache_bytes: float) -> float:
+        """The bytes tile visits move in calls bigger than `cache_bytes` (0: none)."""
+        if not cache_bytes:
+            return 0.0
+        return sum(moved for call, moved in self.gmm_calls if call > cache_bytes)
 
     @property
     def flops(self) -> float:
@@ -217,6 +233,8 @@ def price(work: Work, hw: Hardware) -> TimeParts:
         + work.dcn_bytes / (hw.dcn_bandwidth_gbps * 1e9)
         + in_place
     )
+    if hw.gmm_streamed_gbps:
+        memory += work.streamed_bytes(hw.cache_mib * 2**20) / (hw.gmm_streamed_gbps * 1e9)
     launch, trip = hw.launch_us or 0.0, hw.loop_trip_us or 0.0
     ops, trips = work.ops, work.loop_trips
     if hw.gmm_curve:  # a visit's loop ops are in its measured time
@@ -224,6 +242,18 @@ def price(work: Work, hw: Hardware) -> TimeParts:
     overhead = (hw.call_us or 0.0) + ops * launch + trips * trip
     overhead *= 1e-6
     return TimeParts(compute, memory, network, overhead)
+
+
+def gmm_call_bytes(rows: float, experts: int, k: float, n: float, itemsize: int) -> float:
+    """The bytes one tiled_gmm call works over: its rows in (rows, k) and out
+    (rows, n), and the (k, n) matrices of its experts that have rows."""
+    return (rows * (k + n) + experts * k * n) * itemsize
+
+
+def gmm_visit_bytes(tile: int, k: float, n: float, itemsize: int) -> float:
+    """The bytes one dot of a tile visit moves: the tile's rows in and out, and its
+    expert's (k, n) matrix."""
+    return (tile * (k + n) + k * n) * itemsize
 
 
 @dataclass(frozen=True)
@@ -235,6 +265,7 @@ class _Loops:
     trips: float = 0.0
     visit_ops: float = 0.0  # of ops and trips, the loop bodies' (Work.tile_visit_ops)
     visit_trips: float = 0.0
+    calls: tuple[tuple[float, float], ...] = ()  # Work.gmm_calls
 
 
 def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
@@ -248,9 +279,15 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
             return _Loops(((p.tile, rows / p.tile),))
         return _Loops(((max(rows, 1), 1.0),))
     tiles: dict[int, float] = {}
+    moved: dict[float, float] = {}  # a call's bytes: what its visits' dots move
+    dots = sum(_dots_per_visit(p, exchanged).values())
     ops = visit_ops = visit_trips = 0.0
     for sizes, array_rows in calls:
         visits = tiled_gmm_visits(sizes, array_rows)
+        size = gmm_call_bytes(array_rows, sum(s > 0 for s in sizes), p.M, p.H, p.xb)
+        moved[size] = moved.get(size, 0.0) + dots * sum(
+            n * gmm_visit_bytes(t, p.M, p.H, p.xb) for t, n in visits.tiles
+        )
         loops = len(visits.classes) + 1
         row_trips = sum(n for _, n in visits.tiles)
         for t, n in visits.tiles:
@@ -268,7 +305,14 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
         visit_trips += row_trips * len(row_passes) + grads * (visits.experts + visits.big)
         ops += row_ops + 2 * loops * len(row_passes) + grads * (expert + 2)
     trips = visit_trips
-    return _Loops(tuple(sorted(tiles.items())), ops, trips, visit_ops, visit_trips)
+    return _Loops(
+        tuple(sorted(tiles.items())),
+        ops,
+        trips,
+        visit_ops,
+        visit_trips,
+        tuple(sorted(moved.items())),
+    )
 
 
 def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> dict[str, int]:
@@ -305,6 +349,7 @@ def count_work(
     if p.Hs:
         dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd)))  # shared experts
     ops = trips = gather = visit_ops = visit_trips = copied_keep = copied_change = 0.0
+    gmm_calls: tuple[tuple[float, float], ...] = ()
     collectives = 1.0  # the statistics' sum over the token axes
     collectives += (1 + (p.train)) * (p.hidden_shards > 1)  # hidden axes' partial sums
     # Weight all-gathers in (reduce-scatters out): the three routed matrices over the
@@ -329,6 +374,7 @@ def count_work(
         ops += loops.ops
         trips += loops.trips
         visit_ops, visit_trips = loops.visit_ops, loops.visit_trips
+        gmm_calls = loops.calls
         key = "megablox_exchanged" if exchanged else "megablox_gathered"
         ops += PROGRAM_OPS[(key, p.train)]
         gather += sort + 4 * routed * 3  # the sort, the ids and weights taken, the sizes
@@ -387,6 +433,7 @@ def count_work(
         tile_visit_trips=visit_trips,
         activation_relayout_bytes=copied_keep,
         activation_transpose_bytes=copied_change,
+        gmm_calls=gmm_calls,
     )
 
 
@@ -410,6 +457,14 @@ def priced_by(hw: Hardware) -> str:
                 f" {hw.activation_transpose_gbps:g} GB/s"
             ]
             if hw.activation_relayout_gbps and hw.activation_transpose_gbps
+            else []
+        ),
+        *(
+            [
+                f"tile visits of calls over the {hw.cache_mib:g} MiB cache streamed"
+                f" {hw.gmm_streamed_gbps:g} GB/s"
+            ]
+            if hw.cache_mib and hw.gmm_streamed_gbps
             else []
         ),
         *(

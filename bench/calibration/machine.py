@@ -20,7 +20,14 @@ single op, so the cost of calling a program drops out:
   8 experts of one tile each, tiles of 32 to 512 rows (32: an array under 64 rows, each
   expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
   credited with the FLOPs of the tiles its plan visits
-  (`selector.tiles.tiled_gmm_visits`);
+  (`selector.tiles.tiled_gmm_visits`); 4, 2 or 1 experts where 8 would make a call
+  too big for the cache (`gmm_experts`), so every point is a call that fits;
+- cache_mib: the last-level cache a core has (Linux's /sys: its size over the CPUs
+  sharing it), what a device's running program can keep its arrays in;
+- gmm_streamed_gbps (`--gmm_streaming`, apart from the rest, with the curve's points
+  whose experts it changes): a tile visit's time as its call holds more experts of one
+  tile each (3 shapes off the picks' sets, calls of 1 to 6 MB and of 35 to 50 MB), the
+  bytes a visit moves over what it adds once its call is past twice the cache;
 - einsum_curve: the dense and capacity paths' batched einsum "tm,emh->teh";
 - hbm_bandwidth_gbps: a chain of 8 elementwise multiply-adds over 4M floats (bytes read
   and written);
@@ -63,6 +70,7 @@ reads no study's output); tests/test_machine.py checks the file against this stu
     python -m bench.calibration.machine --relayouts --write  # those two rates alone
     python -m bench.calibration.machine --weight_gathers --write  # the in-place rates alone
     python -m bench.calibration.machine --activation_copies --write  # the activation copy rates alone
+    python -m bench.calibration.machine --gmm_streaming --write  # the cache, the streaming rate
 """
 
 from __future__ import annotations
@@ -108,18 +116,20 @@ SCALARS = (
     "weight_scatter_gbps",
     "activation_relayout_gbps",
     "activation_transpose_gbps",
+    "cache_mib",
+    "gmm_streamed_gbps",
 )
 
 
-def _timed(fn, *args) -> float:
-    """Median seconds of ROUNDS calls (after one that compiles)."""
+def _timed(fn, *args, rounds: int = ROUNDS) -> float:
+    """Median seconds of `rounds` calls (after one that compiles)."""
     import time
 
     import jax
 
     jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
@@ -292,6 +302,52 @@ def _gmm_passes(tile: int, e: int, k: int, n: int, reps: int = 1):
     )
 
 
+def cache_mib() -> float:
+    """The last-level cache each core of this machine has, MiB: its size over the CPUs
+    that share it (Linux's /sys; 0 where it says nothing). A device's program runs on
+    one core at a time, so this is the cache its arrays can stay in."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    levels = []
+    for index in sorted(base.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not size.endswith("K"):
+            continue
+        cpus = sum(
+            int(b) - int(a) + 1 if "-" in part else 1
+            for part in shared.split(",")
+            for a, _, b in [part.partition("-")]
+        )
+        levels.append((level, int(size[:-1]) / 1024 / cpus))
+    return max(levels)[1] if levels else 0.0
+
+
+def gmm_experts(tile: int, k: int, n: int, cache: float, most: int = GMM_EXPERTS) -> int:
+    """Experts of a gmm curve point: the most of `most`, `most` / 2, ... 1 whose call
+    (laid out by `gmm_layout`) fits in `cache` MiB, so the curve times visits whose
+    arrays stay in the cache (`gmm_streaming` measures what a call that does not fit
+    adds)."""
+    from selector.timing import gmm_call_bytes
+
+    experts = most
+    while (
+        experts > 1
+        and gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4) > cache * 2**20
+    ):
+        experts //= 2
+    return experts
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    """(tile, K, N) of a gmm point's "TILExKxN"."""
+    return tuple(int(d) for d in shape.split("x"))
+
+
 def gmm_visits(tile: int, experts: int = GMM_EXPERTS) -> tuple[int, int]:
     """(rows of the tile tiled_gmm visits, visits) at the point `gmm_layout(tile)` lays
     out: the tile plan the count walks, so a point is credited with what the kernel ran."""
@@ -311,10 +367,12 @@ GMM_REPS = 4
 GMM_PASSES = ("forward", "input_grad", "weight_grad")
 
 
-def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
+def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32", cache=None) -> list[dict]:
     """Per tile size, the FLOP rate of a tiled_gmm (layers.grouped_matmul) tile visit,
     for each of its three passes (forward with one weight, input gradient, weight
-    gradient) over GMM_EXPERTS experts of one tile each (`gmm_layout`): what a call
+    gradient) over GMM_EXPERTS experts of one tile each (`gmm_layout`), fewer where
+    their call would not fit in `cache` MiB (this machine's, `cache_mib`;
+    `gmm_experts`): what a call
     adds inside a loop of calls (GMM_REPS + 1 calls less 1), over its visits, as an
     exchange's slots and a block's passes run. A program's first ops are not in it; a
     visit's loop-body ops are (the count leaves those to this curve:
@@ -323,14 +381,18 @@ def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
     gradient's visit runs at about half a forward's. (Until 2026-12-06 a point was one
     call less an empty program's, its rate the median of the three passes: a forward
     visit ran 1.3 to 1.5 times faster inside a loop of calls.)"""
+    from selector.timing import gmm_call_bytes
+
+    cache = cache_mib() if cache is None else cache
     out = []
     for tile in tiles:
-        visited, visits = gmm_visits(tile)
         for k, n in kn_list:
+            experts = gmm_experts(tile, k, n, cache) if cache else GMM_EXPERTS
+            visited, visits = gmm_visits(tile, experts)
             seconds = []
             for long, short in zip(
-                _gmm_passes(tile, GMM_EXPERTS, k, n, GMM_REPS + 1),
-                _gmm_passes(tile, GMM_EXPERTS, k, n, 1),
+                _gmm_passes(tile, experts, k, n, GMM_REPS + 1),
+                _gmm_passes(tile, experts, k, n, 1),
                 strict=True,
             ):
                 many, one = (
@@ -342,6 +404,8 @@ def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
             out.append(
                 {
                     "shape": f"{visited}x{k}x{n}",
+                    "experts": experts,
+                    "call_mb": gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4) / 1e6,
                     "mflops": flops / 1e6,
                     "tflops": flops / seconds[0] / 1e12,  # the forward's
                     "passes": {
@@ -350,6 +414,71 @@ def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32") -> list[dict]:
                 }
             )
     return sorted(out, key=lambda r: r["mflops"])
+
+
+# (tile, K, N, experts a call): shapes off the picks' sets, each with three calls that
+# fit in this machine's 16 MiB a core (1 to 6 MB) and two that do not (35 to 50 MB).
+GMM_STREAM_SHAPES = (
+    (256, 176, 352, (2, 4, 8, 48, 64)),
+    (256, 80, 160, (4, 8, 16, 128, 160)),
+    (128, 112, 224, (4, 8, 16, 128, 176)),
+)
+GMM_STREAM_ROUNDS = 7
+
+
+def gmm_streaming(cache: float, shapes=GMM_STREAM_SHAPES) -> list[dict]:
+    """Each of tiled_gmm's passes, its time a tile visit (the gmm curve's method,
+    `_gmm_passes`) as a call holds more experts of one tile each: a visit's FLOPs stay
+    the same and only the call's bytes (`selector.timing.gmm_call_bytes`) grow, past
+    `cache` MiB. `gmm_streaming_rate` reads the rate off these rows."""
+    from selector.timing import gmm_call_bytes, gmm_visit_bytes
+
+    rows = []
+    for tile, k, n, counts in shapes:
+        for experts in counts:
+            visited, visits = gmm_visits(tile, experts)
+            ms = {}
+            for name, long, short in zip(
+                GMM_PASSES,
+                _gmm_passes(tile, experts, k, n, GMM_REPS + 1),
+                _gmm_passes(tile, experts, k, n, 1),
+                strict=True,
+            ):
+                many, one = (
+                    _timed(*_flat(_program(body, *arrays)), rounds=GMM_STREAM_ROUNDS)
+                    for body, *arrays in (long, short)
+                )
+                ms[name] = max(many - one, 1e-9) / (GMM_REPS * visits) * 1e3
+            call = gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4)
+            rows.append(
+                {
+                    "shape": f"{visited}x{k}x{n}",
+                    "experts": experts,
+                    "call_mb": call / 1e6,
+                    "visit_mb": gmm_visit_bytes(visited, k, n, 4) / 1e6,
+                    "cache_mib": cache,
+                    "ms_a_visit": ms,
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def gmm_streaming_rate(rows: list[dict]) -> float:
+    """GB/s a visit streams at in a call that does not fit in the cache: per shape and
+    pass, the bytes a visit moves over the difference between the median visit of the
+    calls over twice the cache and of those under half of it; the median over shapes
+    and passes."""
+    rates = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        of = [r for r in rows if r["shape"] == shape]
+        cache = of[0]["cache_mib"] * 2**20 / 1e6  # MB
+        fits = [r["ms_a_visit"] for r in of if r["call_mb"] <= cache / 2]
+        streams = [r["ms_a_visit"] for r in of if r["call_mb"] >= 2 * cache]
+        for name in GMM_PASSES:
+            more = median([m[name] for m in streams]) - median([m[name] for m in fits])
+            rates.append(of[0]["visit_mb"] / max(more, 1e-9))  # MB/ms = GB/s
+    return median(rates)
 
 
 EINSUM_SHAPES = ((8, 256, 64, 128), (8, 1024, 192, 384), (8, 2048, 640, 1280), (32, 512, 192, 384))
@@ -701,13 +830,17 @@ def measure() -> dict:
     constants.update(weight_gather_rates(gathered))
     keep, change, copy_rows = activation_copies()
     constants.update(activation_relayout_gbps=keep, activation_transpose_gbps=change)
+    cache = cache_mib()
+    streaming = gmm_streaming(cache)
+    constants.update(cache_mib=cache, gmm_streamed_gbps=gmm_streaming_rate(streaming))
     curve = matmul_curve()
     return {
         "machine": machine(),
         "rounds": ROUNDS,
         "constants": constants,
         "matmul_curve": curve,
-        "gmm_curve": gmm_curve(),
+        "gmm_curve": gmm_curve(cache=cache),
+        "gmm_streaming": streaming,
         "einsum_curve": einsum_curve(),
         "gathers": gathers,
         "collectives": collective_rows,
@@ -762,8 +895,28 @@ def write_hardware(payload: dict) -> None:
 def plot(payload: dict):
     plt = pyplot()
     gathers = payload.get("weight_gathers", [])
-    fig, axes = plt.subplots(1, 3 if gathers else 2, figsize=(15 if gathers else 10, 4))
+    streaming = payload.get("gmm_streaming", [])
+    panels = 2 + bool(gathers) + bool(streaming)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     left, right = axes[0], axes[1]
+    if streaming:
+        ax = axes[-1]
+        for shape in dict.fromkeys(r["shape"] for r in streaming):
+            pts = [r for r in streaming if r["shape"] == shape]
+            ax.plot(
+                [r["call_mb"] for r in pts],
+                [r["ms_a_visit"]["forward"] / pts[0]["ms_a_visit"]["forward"] for r in pts],
+                "o-",
+                label=shape,
+            )
+        ax.axvline(streaming[0]["cache_mib"] * 2**20 / 1e6, color="grey", lw=0.8)
+        ax.set(
+            xscale="log",
+            xlabel="MB a tiled_gmm call works over",
+            ylabel="forward visit / the fewest experts'",
+            title="a visit past the cache (grey)",
+        )
+        ax.legend(fontsize=7)
     curves = {name: payload[name] for name in CURVES}
     curves |= {n: pass_curve(payload["gmm_curve"], g) for n, g in GMM_PASS_CURVES.items()}
     for name, curve in curves.items():
@@ -826,6 +979,11 @@ def main() -> int:
             "action": "store_true",
             "help": "measure only the routed weights' gathers in place, into the stored study",
         },
+        gmm_streaming={
+            "action": "store_true",
+            "help": "measure only what a tile visit streams past the cache, and the gmm"
+            " curve's points whose call would not fit in it, into the stored study",
+        },
         activation_copies={
             "action": "store_true",
             "help": "measure only the activation relayout and transpose rates, into the stored study",
@@ -848,6 +1006,28 @@ def main() -> int:
         keep, change, payload["activation_copies"] = activation_copies()
         payload["constants"].update(activation_relayout_gbps=keep, activation_transpose_gbps=change)
         payload["activation_copies_machine"] = machine()
+    elif args.gmm_streaming:
+        payload = load(STUDY)
+        cache = cache_mib()
+        payload["gmm_streaming"] = gmm_streaming(cache)
+        payload["constants"].update(
+            cache_mib=cache, gmm_streamed_gbps=gmm_streaming_rate(payload["gmm_streaming"])
+        )
+        payload["gmm_streaming_machine"] = machine()
+        # The curve's points measured at more experts than now fit, measured again.
+        stale = [
+            p
+            for p in payload["gmm_curve"]
+            if p.get("experts", GMM_EXPERTS) != gmm_experts(*_dims(p["shape"]), cache)
+        ]
+        kn = sorted({_dims(p["shape"])[1:] for p in stale})
+        fresh = gmm_curve(GMM_TILES, kn, cache=cache)
+        named = {p["shape"] for p in fresh}
+        kept = [p for p in payload["gmm_curve"] if p["shape"] not in named]
+        payload["gmm_curve"] = sorted(kept + fresh, key=lambda r: r["mflops"])
+        payload.setdefault("gmm_runs", []).append(
+            {"kn": [list(x) for x in kn], "cache_mib": cache, "machine": machine()}
+        )
     elif args.weight_gathers:
         payload = load(STUDY)
         rows = weight_gathers(payload["constants"])

@@ -221,7 +221,70 @@ def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
     assert tiled_gmm_visits([32] * 8, 256).tiles == ((64, 8),)
     assert 32 in GMM_TILES
     for tile in GMM_TILES:
-        assert gmm_visits(tile) == (tile, GMM_EXPERTS)
+        for experts in (GMM_EXPERTS, 4, 2, 1):
+            assert gmm_visits(tile, experts) == (tile, experts)
+
+
+def test_the_gmm_curve_times_calls_that_fit_in_the_cache():
+    """Every stored gmm curve point was timed on a call whose arrays fit in the cache
+    the machine study read (the count prices a bigger call's streaming apart, so a
+    point that streamed would count it twice), with the most experts (8, 4, 2, 1) that
+    fit. Points stored before the study kept their experts ran 8."""
+    from bench import common
+    from bench.calibration.machine import GMM_EXPERTS, _dims, gmm_experts, gmm_layout
+    from selector.timing import gmm_call_bytes
+
+    study = common.load("machine_cpu")
+    cache = study["constants"]["cache_mib"]
+    assert cache > 0
+    fewer = 0
+    for point in study["gmm_curve"]:
+        tile, k, n = _dims(point["shape"])
+        experts = point.get("experts", GMM_EXPERTS)
+        assert experts == gmm_experts(tile, k, n, cache), point["shape"]
+        call = gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4)
+        assert call <= cache * 2**20 and call / 1e6 == pytest.approx(
+            point.get("call_mb", call / 1e6)
+        )
+        fewer += experts < GMM_EXPERTS
+    assert fewer == 5  # the 640 x 1280 points
+    # 8 experts of 512 x 640 x 1280 (29 MB of rows and 26 MB of matrices) do not fit in
+    # 16 MiB; two (14 MB) do. 8 of 512 x 192 x 384 (12 MB) do.
+    assert gmm_experts(512, 640, 1280, 16.0) == 2 and gmm_experts(512, 192, 384, 16.0) == 8
+
+
+def test_the_streaming_rate_is_a_visits_bytes_over_what_it_adds():
+    """Per shape and pass: a visit's bytes over the median visit of the calls past twice
+    the cache less that of the calls under half of it (the calls between left out);
+    the median over shapes and passes. The stored study gives the rate cpu.yaml holds."""
+    from bench import common
+    from bench.calibration.machine import GMM_PASSES, gmm_streaming_rate
+
+    def row(call_mb, ms):
+        visit = {"forward": ms, "input_grad": ms / 2, "weight_grad": 2 * ms}
+        return {
+            "shape": "8x8x8",
+            "call_mb": call_mb,
+            "visit_mb": 2.0,
+            "cache_mib": 10.0,
+            "ms_a_visit": visit,
+        }
+
+    # cache 10 MiB = 10.49 MB: fits under 5.24, streams over 20.97
+    rows = [row(1.0, 1.0), row(5.0, 3.0), row(15.0, 50.0), row(21.0, 5.0), row(40.0, 7.0)]
+    # forward: 2 MB over (6 - 2) ms; input gradient over 2 ms; weight gradient over 8 ms
+    assert gmm_streaming_rate(rows) == pytest.approx(0.5)
+    study = common.load("machine_cpu")
+    rows = study["gmm_streaming"]
+    assert gmm_streaming_rate(rows) == pytest.approx(study["constants"]["gmm_streamed_gbps"])
+    shapes = {r["shape"] for r in rows}
+    assert len(shapes) == 3
+    cache = study["constants"]["cache_mib"] * 2**20 / 1e6
+    for shape in shapes:
+        of = [r for r in rows if r["shape"] == shape]
+        assert sum(r["call_mb"] <= cache / 2 for r in of) == 3
+        assert sum(r["call_mb"] >= 2 * cache for r in of) == 2
+        assert all(set(r["ms_a_visit"]) == set(GMM_PASSES) for r in of)
 
 
 def test_a_gmm_points_reps_each_run_their_own_rows():

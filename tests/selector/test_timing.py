@@ -138,6 +138,15 @@ def test_each_byte_count_is_priced_exactly_at_its_rate():
         **{**bare, "ici_bytes": 6e9, "weight_gather_bytes": 3e9, "weight_scatter_bytes": 3e9}
     )
     assert price(both, in_place).network == 6.0
+    # A tiled_gmm call bigger than the cache streams its visits' bytes; one that fits,
+    # or a machine without the cache's size or the streaming rate, none.
+    calls = ((16 * 2**20 + 1, 3e9), (16 * 2**20, 5e9))
+    streaming = dataclasses.replace(hw, cache_mib=16.0, gmm_streamed_gbps=1.5)
+    parts = price(Work(**{**bare, "gmm_calls": calls}), streaming)
+    assert parts.memory == 2.0 and parts.total == 2.0
+    for missing in ("cache_mib", "gmm_streamed_gbps"):
+        without = dataclasses.replace(streaming, **{missing: 0.0})
+        assert price(Work(**{**bare, "gmm_calls": calls}), without).total == 0.0, missing
 
 
 def test_a_preset_without_a_figure_counts_nothing_for_it_and_says_so():
@@ -230,6 +239,10 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
     assert work.tile_visit_trips == 8 * 4 + 3 * 8
     assert work.ops > work.tile_visit_ops  # the passes' setup and the program's own
     assert work.loop_trips == work.tile_visit_trips  # a gathered block loops over tiles only
+    # One call over the 512 rows in (64 wide) and out (128 wide) and the 8 experts'
+    # matrices; each of a visit's 9 dots moves its 64 rows in and out and its matrix.
+    call = (512 * (64 + 128) + 8 * 64 * 128) * 4
+    assert work.gmm_calls == ((call, 9 * 8 * (64 * (64 + 128) + 64 * 128) * 4),)
     # Rows taken and added back (forward) and their transposes (backward), the sort, and
     # the ids, weights and sizes.
     rows = 512
@@ -259,6 +272,10 @@ def test_exchanged_rounds_counted_by_hand():
     assert work.collectives == 1 + (3 * 4 + 1) + 3 * 6
     tiles = _gmm_loops(p.kernel, exchanged_calls(512, 8, 8, int(buffer_rows(p))), p, True)
     assert dict(tiles.tiles) == {32: 24}  # 8 slots a round of one expert's rows, 3 rounds
+    # Each slot a call over its 40 rows and one expert's matrix; each of a visit's 11
+    # dots (the recomputed forward's 2 among them) moves a 32-row tile and the matrix.
+    slot = (40 * (64 + 128) + 64 * 128) * 4
+    assert work.gmm_calls == tiles.calls == ((slot, 11 * 24 * (32 * (64 + 128) + 64 * 128) * 4),)
     rounds = 3 * (51 + 8 * 45) + 3 * (75 + 8 * 74)
     assert work.ops == tiles.ops + PROGRAM_OPS[("megablox_exchanged", True)] + rounds
     assert work.loop_trips == tiles.trips + 2 * 3 * (1 + 8)
@@ -658,7 +675,9 @@ def test_the_gmm_loops_ops_and_trips_counted_by_hand():
     rows, not tiles."""
     from types import SimpleNamespace
 
-    serve, train = SimpleNamespace(tile=128, train=False), SimpleNamespace(tile=128, train=True)
+    dims = dict(M=64, H=128, xb=4)
+    serve = SimpleNamespace(tile=128, train=False, **dims)
+    train = SimpleNamespace(tile=128, train=True, **dims)
     eight = [([64] * 8, 512)]  # 8 experts of one 64-row tile: under the big class
     loops = _gmm_loops("tiled_gmm", eight, serve, False)
     assert loops.tiles == ((64, 8),)
@@ -681,6 +700,9 @@ def test_the_gmm_loops_ops_and_trips_counted_by_hand():
     apart = [_gmm_loops("tiled_gmm", c, train, True) for c in (eight, one)]
     for field in ("ops", "trips", "visit_ops", "visit_trips"):
         assert getattr(both, field) == sum(getattr(a, field) for a in apart), field
+    assert both.calls == tuple(sorted(apart[0].calls + apart[1].calls))
+    twice = _gmm_loops("tiled_gmm", eight + eight, train, True).calls  # one size, summed
+    assert twice == ((apart[0].calls[0][0], 2 * apart[0].calls[0][1]),)
     # Pallas visits `tile`-row tiles over the rows; ragged_dot one dot over them all.
     pallas = SimpleNamespace(tile=64, train=False)
     assert _gmm_loops("pallas_megablox", [([100, 28], 128)], pallas, False).tiles == ((64, 2.0),)
