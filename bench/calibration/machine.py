@@ -316,14 +316,15 @@ def cache_mib() -> float:
             shared = (index / "shared_cpu_list").read_text().strip()
         except (OSError, ValueError):
             continue
-        if kind == "Instruction" or not size.endswith("K"):
+        scale = {"K": 1 / 1024, "M": 1.0}.get(size[-1:])
+        if kind == "Instruction" or scale is None:
             continue
         cpus = sum(
             int(b) - int(a) + 1 if "-" in part else 1
             for part in shared.split(",")
             for a, _, b in [part.partition("-")]
         )
-        levels.append((level, int(size[:-1]) / 1024 / cpus))
+        levels.append((level, int(size[:-1]) * scale / cpus))
     return max(levels)[1] if levels else 0.0
 
 

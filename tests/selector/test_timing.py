@@ -709,3 +709,48 @@ def test_the_gmm_loops_ops_and_trips_counted_by_hand():
     assert _gmm_loops("ragged_dot", [([100, 28], 128)], serve, False).tiles == ((128, 1.0),)
     assert _gmm_loops("ragged_dot", [([0, 0], 16)], serve, False).tiles == ((1, 1.0),)
     assert _gmm_loops("ragged_dot", [([0, 0], 16)], serve, False).ops == 0
+
+
+def test_a_gathered_call_past_the_cache_streams_its_visits_and_the_report_says_so():
+    """Training over context 8 with E=24, k=6, 8,192 tokens, emb 192, hidden 384 (float32):
+    the gathered block's one call works over 6,144 routed rows in and out and 24
+    matrices, 21.2 MB, past the machine's 16 MiB, so each of a visit's 9 dots streams its
+    tile's rows and its matrix at the measured rate; the exchange's slots fit and stream
+    nothing. The report names the gathered block's streamed GB, the exchange's none."""
+    from selector.report import render_time
+    from selector.tiles import tiled_gmm_visits, uniform_group_sizes
+
+    over = (
+        "ici_context_parallelism=8",
+        "ici_fsdp_parallelism=1",
+        "ici_data_parallelism=1",
+        "base_emb_dim=192",
+        "base_moe_mlp_dim=384",
+        "num_experts=24",
+        "num_experts_per_tok=6",
+        "max_target_length=8192",
+        "per_device_batch_size=0.125",
+        "capacity_factor=0",
+    )
+    cfg, plan, p = problem(*over)
+    hw = cfg.hardware
+    assert (p.T, p.E, p.k, p.M, p.H, p.xb, hw.cache_mib) == (1024, 24, 6, 192, 384, 4, 16.0)
+    gathered = plan.candidate(Dispatch.megablox, Exchange.gather).estimate
+    call = (6144 * (192 + 384) + 24 * 192 * 384) * 4
+    assert call == 21_233_664 > 16 * 2**20
+    visits = tiled_gmm_visits(uniform_group_sizes(6144, 24), 6144).tiles
+    moved = 9 * sum(n * (t * (192 + 384) + 192 * 384) * 4 for t, n in visits)
+    assert gathered.work.gmm_calls == ((call, moved),)
+    assert gathered.work.streamed_bytes(hw.cache_mib * 2**20) == moved
+    bare = price(dataclasses.replace(gathered.work, gmm_calls=()), hw)
+    assert gathered.time_parts.memory - bare.memory == pytest.approx(
+        moved / (hw.gmm_streamed_gbps * 1e9)
+    )
+    exchanged = plan.candidate(Dispatch.megablox, Exchange.all_to_all).estimate.work
+    assert exchanged.gmm_calls and exchanged.streamed_bytes(hw.cache_mib * 2**20) == 0
+    text = " ".join(" ".join(render_time(cfg, plan)).split())  # one line, single spaces
+    gather_part = text.split("megablox/gather", 1)[1].split("megablox/all_to_all", 1)[0]
+    assert f"{moved / 1e9:.3g} GB of tile visits streamed past the cache" in gather_part
+    exchange_part = text.split("megablox/all_to_all", 1)[1].split(" dense ", 1)[0]
+    assert "streamed" not in exchange_part
+    assert f"streamed {hw.gmm_streamed_gbps:g} GB/s" in priced_by(hw)
