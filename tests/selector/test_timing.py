@@ -703,6 +703,10 @@ def test_the_gmm_loops_ops_and_trips_counted_by_hand():
     assert both.calls == tuple(sorted(apart[0].calls + apart[1].calls))
     twice = _gmm_loops("tiled_gmm", eight + eight, train, True).calls  # one size, summed
     assert twice == ((apart[0].calls[0][0], 2 * apart[0].calls[0][1]),)
+    # A call's matrices are those of its experts with rows: one of 1 row counts, an
+    # empty one does not.
+    sparse = _gmm_loops("tiled_gmm", [([64, 0, 1], 128)], serve, False).calls
+    assert [size for size, _ in sparse] == [(128 * (64 + 128) + 2 * 64 * 128) * 4]
     # Pallas visits `tile`-row tiles over the rows; ragged_dot one dot over them all.
     pallas = SimpleNamespace(tile=64, train=False)
     assert _gmm_loops("pallas_megablox", [([100, 28], 128)], pallas, False).tiles == ((64, 2.0),)
