@@ -328,18 +328,20 @@ def cache_mib() -> float:
     return max(levels)[1] if levels else 0.0
 
 
-def gmm_experts(tile: int, k: int, n: int, cache: float, most: int = GMM_EXPERTS) -> int:
-    """Experts of a gmm curve point: the most of `most`, `most` / 2, ... 1 whose call
-    (laid out by `gmm_layout`) fits in `cache` MiB, so the curve times visits whose
-    arrays stay in the cache (`gmm_streaming` measures what a call that does not fit
-    adds)."""
+def point_call_bytes(tile: int, experts: int, k: int, n: int) -> float:
+    """The bytes of a gmm point's float32 call, laid out by `gmm_layout`
+    (`selector.timing.gmm_call_bytes`)."""
     from selector.timing import gmm_call_bytes
 
+    return gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4)
+
+
+def gmm_experts(tile: int, k: int, n: int, cache: float, most: int = GMM_EXPERTS) -> int:
+    """Experts of a gmm curve point: the most of `most`, `most` / 2, ... 1 whose call
+    (`point_call_bytes`) fits in `cache` MiB, so the curve times visits whose arrays
+    stay in the cache (`gmm_streaming` measures what a call that does not fit adds)."""
     experts = most
-    while (
-        experts > 1
-        and gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4) > cache * 2**20
-    ):
+    while experts > 1 and point_call_bytes(tile, experts, k, n) > cache * 2**20:
         experts //= 2
     return experts
 
@@ -368,6 +370,26 @@ GMM_REPS = 4
 GMM_PASSES = ("forward", "input_grad", "weight_grad")
 
 
+def visit_seconds(tile, experts, k, n, dtype="float32", rounds=ROUNDS) -> dict[str, float]:
+    """{pass: seconds a visit} of a call of `experts` experts of one tile each
+    (`gmm_layout`): GMM_REPS + 1 calls in a loop less 1 call, over the visits of
+    GMM_REPS calls, each program timed `rounds` times."""
+    visits = gmm_visits(tile, experts)[1]
+    seconds = {}
+    for name, long, short in zip(
+        GMM_PASSES,
+        _gmm_passes(tile, experts, k, n, GMM_REPS + 1),
+        _gmm_passes(tile, experts, k, n, 1),
+        strict=True,
+    ):
+        many, one = (
+            _timed(*_flat(_program(body, *shapes, dtype=dtype)), rounds=rounds)
+            for body, *shapes in (long, short)
+        )
+        seconds[name] = max(many - one, 1e-9) / (GMM_REPS * visits)
+    return seconds
+
+
 def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32", cache=None) -> list[dict]:
     """Per tile size, the FLOP rate of a tiled_gmm (layers.grouped_matmul) tile visit,
     for each of its three passes (forward with one weight, input gradient, weight
@@ -382,36 +404,22 @@ def gmm_curve(tiles=GMM_TILES, kn_list=GMM_KN, dtype="float32", cache=None) -> l
     gradient's visit runs at about half a forward's. (Until 2026-12-06 a point was one
     call less an empty program's, its rate the median of the three passes: a forward
     visit ran 1.3 to 1.5 times faster inside a loop of calls.)"""
-    from selector.timing import gmm_call_bytes
-
     cache = cache_mib() if cache is None else cache
     out = []
     for tile in tiles:
         for k, n in kn_list:
             experts = gmm_experts(tile, k, n, cache) if cache else GMM_EXPERTS
-            visited, visits = gmm_visits(tile, experts)
-            seconds = []
-            for long, short in zip(
-                _gmm_passes(tile, experts, k, n, GMM_REPS + 1),
-                _gmm_passes(tile, experts, k, n, 1),
-                strict=True,
-            ):
-                many, one = (
-                    _timed(*_flat(_program(body, *shapes, dtype=dtype)))
-                    for body, *shapes in (long, short)
-                )
-                seconds.append(max(many - one, 1e-9) / (GMM_REPS * visits))
+            visited = gmm_visits(tile, experts)[0]
+            seconds = visit_seconds(tile, experts, k, n, dtype)
             flops = 2 * visited * k * n
             out.append(
                 {
                     "shape": f"{visited}x{k}x{n}",
                     "experts": experts,
-                    "call_mb": gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4) / 1e6,
+                    "call_mb": point_call_bytes(tile, experts, k, n) / 1e6,
                     "mflops": flops / 1e6,
-                    "tflops": flops / seconds[0] / 1e12,  # the forward's
-                    "passes": {
-                        p: flops / s / 1e12 for p, s in zip(GMM_PASSES, seconds, strict=True)
-                    },
+                    "tflops": flops / seconds["forward"] / 1e12,
+                    "passes": {p: flops / s / 1e12 for p, s in seconds.items()},
                 }
             )
     return sorted(out, key=lambda r: r["mflops"])
@@ -432,30 +440,19 @@ def gmm_streaming(cache: float, shapes=GMM_STREAM_SHAPES) -> list[dict]:
     `_gmm_passes`) as a call holds more experts of one tile each: a visit's FLOPs stay
     the same and only the call's bytes (`selector.timing.gmm_call_bytes`) grow, past
     `cache` MiB. `gmm_streaming_rate` reads the rate off these rows."""
-    from selector.timing import gmm_call_bytes, gmm_visit_bytes
+    from selector.timing import gmm_visit_bytes
 
     rows = []
     for tile, k, n, counts in shapes:
         for experts in counts:
-            visited, visits = gmm_visits(tile, experts)
-            ms = {}
-            for name, long, short in zip(
-                GMM_PASSES,
-                _gmm_passes(tile, experts, k, n, GMM_REPS + 1),
-                _gmm_passes(tile, experts, k, n, 1),
-                strict=True,
-            ):
-                many, one = (
-                    _timed(*_flat(_program(body, *arrays)), rounds=GMM_STREAM_ROUNDS)
-                    for body, *arrays in (long, short)
-                )
-                ms[name] = max(many - one, 1e-9) / (GMM_REPS * visits) * 1e3
-            call = gmm_call_bytes(gmm_layout(tile, experts)[1], experts, k, n, 4)
+            visited = gmm_visits(tile, experts)[0]
+            seconds = visit_seconds(tile, experts, k, n, rounds=GMM_STREAM_ROUNDS)
+            ms = {name: s * 1e3 for name, s in seconds.items()}
             rows.append(
                 {
                     "shape": f"{visited}x{k}x{n}",
                     "experts": experts,
-                    "call_mb": call / 1e6,
+                    "call_mb": point_call_bytes(tile, experts, k, n) / 1e6,
                     "visit_mb": gmm_visit_bytes(visited, k, n, 4) / 1e6,
                     "cache_mib": cache,
                     "ms_a_visit": ms,
@@ -893,6 +890,14 @@ def write_hardware(payload: dict) -> None:
     print("wrote", HARDWARE_FILE)
 
 
+def merge_gmm_points(payload: dict, fresh: list[dict]) -> None:
+    """Put `fresh` gmm curve points in the stored study, each in place of the stored
+    point of its shape."""
+    named = {p["shape"] for p in fresh}
+    kept = [p for p in payload["gmm_curve"] if p["shape"] not in named]
+    payload["gmm_curve"] = sorted(kept + fresh, key=lambda r: r["mflops"])
+
+
 def plot(payload: dict):
     plt = pyplot()
     gathers = payload.get("weight_gathers", [])
@@ -1022,10 +1027,7 @@ def main() -> int:
             if p.get("experts", GMM_EXPERTS) != gmm_experts(*_dims(p["shape"]), cache)
         ]
         kn = sorted({_dims(p["shape"])[1:] for p in stale})
-        fresh = gmm_curve(GMM_TILES, kn, cache=cache)
-        named = {p["shape"] for p in fresh}
-        kept = [p for p in payload["gmm_curve"] if p["shape"] not in named]
-        payload["gmm_curve"] = sorted(kept + fresh, key=lambda r: r["mflops"])
+        merge_gmm_points(payload, gmm_curve(GMM_TILES, kn, cache=cache))
         payload.setdefault("gmm_runs", []).append(
             {"kn": [list(x) for x in kn], "cache_mib": cache, "machine": machine()}
         )
@@ -1037,10 +1039,7 @@ def main() -> int:
         payload["constants"].update(weight_gather_rates(rows))
     elif args.gmm:
         payload = load(STUDY)
-        fresh = gmm_curve(args.gmm_tiles)
-        named = {p["shape"] for p in fresh}
-        kept = [p for p in payload["gmm_curve"] if p["shape"] not in named]
-        payload["gmm_curve"] = sorted(kept + fresh, key=lambda r: r["mflops"])
+        merge_gmm_points(payload, gmm_curve(args.gmm_tiles))
         if set(args.gmm_tiles) >= set(GMM_TILES):
             payload["gmm_machine"] = machine()
         else:  # the points measured apart from the rest of the curve
