@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from .ffn import ExpertWeights, einsum, expert_swiglu
 from .router import partial_stats, route
 from .spec import MoESpec
+from .vma import varying_like
 
 
 def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
@@ -25,6 +26,10 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
         )
     dt = spec.compute_dtype
     with jax.named_scope("expert_compute"):
+        # Marked varying over the weights' axes first, so the input gradient's partial
+        # sums over the axes that split the hidden dim (tensor) are added before they are
+        # summed over the mesh: once, not once per matrix that reads the tokens.
+        x_TM = varying_like(x_TM, w.wi_0_EMH, w.wi_1_EMH, w.wo_EHM)
         y_TEM = expert_swiglu(x_TM, w, dt, x_dims="t", h_dims="te", platform=spec.platform)
     with jax.named_scope("combine"):
         y_TM = einsum("tem,te->tm", y_TEM, combine_TE.astype(dt), platform=spec.platform)

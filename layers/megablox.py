@@ -16,6 +16,7 @@ from .ffn import ExpertWeights, swiglu
 from .grouped_matmul import gmm, gmm_multi
 from .router import GLOBAL_PREFIX, partial_stats, route
 from .spec import MoESpec
+from .vma import varying_like
 
 
 def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
@@ -50,7 +51,10 @@ def local_forward(x_BSM, w: ExpertWeights, spec: MoESpec):
             kernel = dict(
                 backend=spec.gmm_backend, platform=spec.platform, row_tile=spec.gmm_row_tile
             )
-            x_RM = jnp.take(x_TM, token_R, axis=0)
+            # The tokens marked varying over the weights' axes before they are taken:
+            # the input gradient's sum over the axes that split the hidden dim (tensor)
+            # is then made once over the T tokens, not over the T x k rows.
+            x_RM = jnp.take(varying_like(x_TM, *experts), token_R, axis=0)
             gate_RH, up_RH = gmm_multi(x_RM, experts[:2], group_sizes_E, **kernel)
             act_RH = swiglu(gate_RH, up_RH) * weights_R[:, None]
             y_RM = gmm(act_RH, experts[2], group_sizes_E, **kernel)

@@ -125,6 +125,26 @@ def test_tensor_axis_splits_the_expert_matmuls(jax_cpu8, strategy):
     assert whole > 0 and split / whole == 0.5, (split, whole)
 
 
+@pytest.mark.parametrize("strategy", ["megablox", "dense"])
+def test_the_input_gradient_is_summed_over_tensor_once_per_token(jax_cpu8, strategy):
+    """tensor=2 x context=4, the weights gathered: each device holds half of every
+    expert's hidden dim, so the block's output and its input gradient are partial sums
+    over tensor. Each is all-reduced once, over the T tokens a device holds: never over
+    its T x k routed rows (megablox; k times the bytes), nor once per matrix that reads
+    the tokens (dense: gate and up). What `selector.cost.traffic` counts."""
+    model, program = compiled(strategy, TENSOR_MESHES["tensor2_cp4"], batch=2, seq=512)
+    tokens = 2 * 512 // 4
+    rows = tokens * model.spec.top_k
+    assert model.spec.top_k > 1 and model.plan.placement.exchange.value == "gather"
+    reduced = [
+        s for op, shapes in collectives(program.as_text()) if op == "all-reduce" for s in shapes
+    ]
+    by_rows = [s for s in reduced if s[-1:] == (EMB,) and math.prod(s) == rows * EMB]
+    by_tokens = [s for s in reduced if s[-1:] == (EMB,) and math.prod(s) == tokens * EMB]
+    assert not by_rows, f"input gradient summed over the routed rows: {by_rows}"
+    assert len(by_tokens) == 2, by_tokens  # the output (forward), the input gradient
+
+
 def _shape(label: str) -> tuple[int, ...]:
     return tuple(int(d) for d in label.split("[", 1)[1].rstrip("]").split(",") if d.strip())
 
