@@ -1,0 +1,72 @@
+"""bench.calibration.dot_split times a candidate without its tile dots: the stand-in must
+be what the timed program runs, and leave the rest of the program as it was."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+# A small training block, the gathered weights: E=8, k=2, 64 tokens a device.
+POINT = ({"context": 8}, 8, 2, 512, 64, 128, "train")
+
+
+def _dots(fn, args) -> int:
+    return fn.lower(*args).as_text().count("dot_general")
+
+
+def test_the_stand_in_dots_keep_each_tiles_shape_and_dtype(jax_cpu8):
+    from bench.calibration.dot_split import rank_one_dot, rank_one_xt_dy
+    from layers import grouped_matmul
+
+    x, w, dy = (jnp.ones(s, jnp.bfloat16) for s in ((64, 32), (32, 48), (64, 48)))
+    for a, b, t in ((x, w, False), (dy, w, True)):
+        real, stand_in = grouped_matmul._dot(a, b, t), rank_one_dot(a, b, t)
+        assert (stand_in.shape, stand_in.dtype) == (real.shape, real.dtype)
+    real, stand_in = grouped_matmul._xt_dy(x, dy), rank_one_xt_dy(x, dy)
+    assert (stand_in.shape, stand_in.dtype) == (real.shape, real.dtype)
+
+
+def test_the_step_without_dots_runs_the_stand_in_and_only_there(jax_cpu8):
+    """Compiled while the stand-ins are in place (a step traced after they are put back
+    would time the real dots twice): its tile loops hold no dot_general, the router's
+    dots stay, and the module's real dots are back afterwards."""
+    from bench import picks
+    from bench.calibration.dot_split import without_dots
+    from checks.measured import _step
+    from layers import grouped_matmul
+
+    config = picks.config_of(POINT)
+    real_dot = grouped_matmul._dot
+    stand_in = without_dots(config)
+    assert grouped_matmul._dot is real_dot
+    whole = _step(config, config.dispatch, config.expert_exchange)
+    without, with_all = _dots(*stand_in), _dots(*whole)
+    assert 0 < without < with_all
+    out = jax.tree.leaves(stand_in[0](*stand_in[1]))
+    assert all(bool(jnp.isfinite(v).all()) for v in out)
+
+
+def test_the_split_quoted_on_the_picks_page_is_the_studys():
+    """docs/results/picks.md quotes the stored study's table whole, row by row."""
+    import json
+
+    from subproc import ROOT
+
+    from bench.calibration.dot_split import COLUMNS, STUDY
+    from bench.common import table
+
+    rows = json.loads((ROOT / f"bench/results/{STUDY}.json").read_text())["rows"]
+    page = (ROOT / "docs/results/picks.md").read_text()
+    assert rows and table(rows, COLUMNS) in page
+
+
+def test_the_counted_parts_add_up_to_the_estimate():
+    import selector
+    from bench import picks
+    from bench.calibration.dot_split import counted
+
+    config = picks.config_of(POINT)
+    dots, rest = counted(config)
+    assert dots > 0 and rest > 0
+    assert dots + rest == pytest.approx(selector.resolve(config).chosen_estimate.time_s)
