@@ -722,3 +722,26 @@ def test_maxtexts_moe_checkpoint_names_are_saved_by_the_policies_that_name_them(
     ds = from_maxtext(base, ["model_name=deepseek3-671b"]).config.replace(remat_policy="minimal")
     extra = saved_per_token(ds) - saved_per_token(ds.replace(moe_checkpoint_names=False))
     assert extra == 58 * (8 * (2048 + 7168) + 2048 + 2048 + 7168)
+
+
+def test_a_non_expert_weight_rests_split_over_every_axis_but_the_data_axes():
+    """fsdp=2 x tensor=2 x expert=2 (x data=2): attention's and the embedding's weights
+    rest split over fsdp (embed), tensor (hidden) and expert, 8 ways, and not over data
+    (the axes' roles come from the default axis rules)."""
+    from helpers import typed
+
+    from selector.mesh import build_mesh_view
+    from selector.step_memory import non_expert_shards
+
+    cfg = typed(
+        "ici_data_parallelism=2",
+        "ici_fsdp_parallelism=2",
+        "ici_tensor_parallelism=2",
+        "ici_expert_parallelism=2",
+        "num_devices=16",
+    )
+    mesh, _ = build_mesh_view(cfg, None)
+    split = {axis: n for axis, n in mesh.sizes if n > 1}
+    assert split == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 2}
+    assert "tensor" in mesh.hidden_axes and "tensor" not in mesh.expert_axes
+    assert non_expert_shards(mesh) == 8
