@@ -23,7 +23,7 @@ the router, the shared experts and `num_experts_per_tok` routed experts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .config import Config
 from .problem import shared_width
@@ -39,6 +39,8 @@ class LayerParams:
     routed_experts: int  # every routed expert (0 in a dense layer)
     routed_active: int  # the experts one token goes through
     moe_other: int  # router, routed bias, shared experts and their gate
+    full_attention: bool = True  # attends over the whole sequence (else Gated DeltaNet)
+    moe: bool = False  # routes to experts
 
     @property
     def total(self) -> int:
@@ -139,10 +141,12 @@ def moe_parts(cfg: Config) -> tuple[int, int, int]:
 def layer_params(cfg: Config, layer: int) -> LayerParams:
     attention = attention_params(cfg, layer)
     norms = 2 * cfg.base_emb_dim  # before the attention and before the feed-forward
+    full = is_full_attention(cfg, layer)
     if is_moe_layer(cfg, layer):
         routed, active, other = moe_parts(cfg)
-        return LayerParams(attention, norms, 0, routed, active, other)
-    return LayerParams(attention, norms, 3 * cfg.base_emb_dim * cfg.base_mlp_dim, 0, 0, 0)
+        return LayerParams(attention, norms, 0, routed, active, other, full, moe=True)
+    dense = 3 * cfg.base_emb_dim * cfg.base_mlp_dim
+    return LayerParams(attention, norms, dense, 0, 0, 0, full, moe=False)
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,13 @@ class ModelParams:
     active_routed: int
     moe_layers: int
     dense_layers: int
+    # Each decoder layer in order: what the step's memory and time count per layer read
+    # here, so the config is walked once.
+    layers: tuple[LayerParams, ...] = field(default=(), repr=False)
+
+    @property
+    def full_attention_layers(self) -> tuple[LayerParams, ...]:
+        return tuple(layer for layer in self.layers if layer.full_attention)
 
     @property
     def total(self) -> int:
@@ -186,6 +197,7 @@ class ModelParams:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        del d["layers"]
         d["params_total"] = self.total
         d["params_active"] = self.active
         return d
@@ -195,7 +207,7 @@ def model_params(cfg: Config) -> ModelParams:
     """Count every parameter of the decoder `cfg` describes."""
     layers = [layer_params(cfg, i) for i in range(cfg.base_num_decoder_layers)]
     embedding = cfg.vocab_size * cfg.base_emb_dim
-    moe = sum(1 for i in range(cfg.base_num_decoder_layers) if is_moe_layer(cfg, i))
+    moe = sum(1 for p in layers if p.moe)
     return ModelParams(
         embedding=embedding,
         head=0 if cfg.logits_via_embedding else embedding,
@@ -208,4 +220,5 @@ def model_params(cfg: Config) -> ModelParams:
         active_routed=sum(p.routed_active for p in layers),
         moe_layers=moe,
         dense_layers=cfg.base_num_decoder_layers - moe,
+        layers=tuple(layers),
     )

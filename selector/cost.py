@@ -35,7 +35,7 @@ import enum
 import math
 from dataclasses import asdict, dataclass
 
-from .config import Config, Dispatch, Exchange, Hardware, Mode
+from .config import Dispatch, Exchange, Hardware
 from .memory_model import (
     ROUTER_BYTES,
     HeldBuffers,
@@ -44,7 +44,6 @@ from .memory_model import (
     temp_bytes,
 )
 from .mesh import MeshView
-from .per_device import PerDevice
 from .placement import WeightPlacement
 from .plan_sizes import GmmTiling
 from .problem import (
@@ -52,13 +51,13 @@ from .problem import (
     buffer_rows,
     exchange_split,
     link_split,
-    problem_shape,
+    placed,
     rows,
 )
 from .step_memory import StepMemory, StepOutside, step_memory
 from .tiling import TileOption
 from .timing import TimeParts, Work, count_work, price
-from .traits import jax_release, traits
+from .traits import traits
 
 
 @dataclass(frozen=True)
@@ -333,41 +332,39 @@ def traffic(
     return Traffic(hbm, sum(gather), sum(moved), sum(grad), sum(tensor), dcn)
 
 
-def state_bytes(cfg: Config, p: DeviceProblem, weights_rest: float) -> float:
+def state_bytes(p: DeviceProblem, weights_rest: float) -> float:
     """Weights, gradients and optimizer state of every MoE layer, at rest, per device."""
     per_layer = weights_rest
     if p.train:
         per_layer += weights_rest  # gradients
-        per_layer += weights_rest / p.pb * cfg.optimizer_bytes_per_param
-    return per_layer * max(cfg.num_moe_layers, 1)
+        per_layer += weights_rest / p.pb * p.optimizer_bytes_per_param
+    return per_layer * p.moe_layers
 
 
 def estimate(
     strategy: Dispatch,
     place: WeightPlacement,
-    cfg: Config,
+    base: DeviceProblem,
     mesh: MeshView,
-    dev: PerDevice,
     outside: StepOutside,
 ) -> Estimate:
     """One candidate's counted memory and time: `strategy` with its weights at `place`;
-    `outside`: the step's bytes outside the MoE blocks (`step_outside`), the same for
-    every candidate of the config."""
-    p = problem_shape(cfg, mesh, dev, place)
+    `base`: the config's problem (`problem.config_problem`) and `outside`: the step's
+    bytes outside the MoE blocks (`step_outside`), both the same for every candidate of
+    the config."""
+    p = placed(base, mesh, place)
     rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    held = held_buffers(
-        strategy, place.exchange, p, cfg.hardware.platform, jax_release(cfg.hardware.jax_version)
-    )
-    memory = block_memory(p, rest, temp_bytes(held, cfg))
+    held = held_buffers(strategy, place.exchange, p, p.platform, p.release)
+    memory = block_memory(p, rest, temp_bytes(held, p.platform))
     written = activation_traffic(strategy, place.exchange, p)
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
-    hw = cfg.hardware
+    hw = p.hardware
     work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
     parts = price(work, hw)
-    state = state_bytes(cfg, p, rest)
-    layers = max(cfg.num_moe_layers, 1)
-    relaid = routed_rest_bytes(p) if relaid_for_gather(cfg, mesh, place) else 0.0
+    state = state_bytes(p, rest)
+    layers = p.moe_layers
+    relaid = routed_rest_bytes(p) if relaid_for_gather(p, mesh, place) else 0.0
     step = step_memory(outside, state, rest * layers, relaid * layers)
     est = Estimate(
         strategy=strategy,
@@ -390,7 +387,7 @@ def estimate(
     return with_memory(est, memory, hw)
 
 
-def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bool:
+def relaid_for_gather(p: DeviceProblem, mesh: MeshView, place: WeightPlacement) -> bool:
     """Whether XLA:GPU holds the routed experts' stacked matrices once more, laid out for
     their all-gather. Its all-gather works on an array's leading dimension, and an expert
     matrix (E, emb, hidden) or (E, hidden, emb) gathered over emb while more than one
@@ -402,11 +399,11 @@ def relaid_for_gather(cfg: Config, mesh: MeshView, place: WeightPlacement) -> bo
     (bfloat16 ones with bfloat16 weights); Qwen3-30B-A3B three f32[32, 48, 128, 768].
     XLA:TPU gathers them in place (`test_tpu_step_gathers_the_expert_stacks_in_place`).
     Read in training steps only: serving programs are counted without the copy."""
-    if not traits(cfg.hardware.platform).hoists_f32_expert_stacks or cfg.mode is not Mode.train:
+    if not traits(p.platform).hoists_f32_expert_stacks or not p.train:
         return False
     if mesh.product(place.embed_axes) <= 1:
         return False
-    return cfg.num_experts // max(mesh.product(place.experts_axes), 1) > 1
+    return p.E // max(mesh.product(place.experts_axes), 1) > 1
 
 
 def with_memory(est: Estimate, memory: Memory, hw: Hardware) -> Estimate:
@@ -437,6 +434,5 @@ __all__ = [
     "Traffic",
     "estimate",
     "held_buffers",
-    "problem_shape",
     "with_memory",
 ]

@@ -199,11 +199,11 @@ def activation_bytes(
     return p.G * p.E * p.C * (2 * p.M + 2 * p.H) * p.xb + beside
 
 
-def temp_bytes(held: HeldBuffers, cfg: Config) -> float:
-    """The compiler's temp for a program holding `held`: the count times the
-    compiler's one constant and its heap's factor for the program (`held.heap`)."""
+def temp_bytes(held: HeldBuffers, platform: str) -> float:
+    """The compiler's temp for a program holding `held` on `platform`: the count times
+    the compiler's one constant and its heap's factor for the program (`held.heap`)."""
     counted = held.total - held.masks
-    return counted * traits(cfg.hardware.platform).compiler_factor * held.heap + held.masks
+    return counted * traits(platform).compiler_factor * held.heap + held.masks
 
 
 def program_key(strategy: Dispatch, exchange: Exchange, cfg: Config) -> str:

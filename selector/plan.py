@@ -14,14 +14,8 @@ from .findings import Finding, Fix, Severity, errors_in, ranked_fixes, warning
 from .mesh import MeshView, build_mesh_view
 from .per_device import PerDevice, per_device
 from .placement import WeightPlacement, describe
-from .policy import (
-    best_group,
-    candidates_for,
-    choose,
-    exchange_backend,
-    exchange_candidates,
-    gmm_backend,
-)
+from .policy import best_group, candidate_placements, choose, exchange_backend
+from .problem import config_problem
 from .step_memory import step_outside
 
 
@@ -339,18 +333,6 @@ def _with_device_note(fix_, est: Estimate | None):
     return dataclasses.replace(fix_, held_bytes=est.device_bytes, fits=est.fits)
 
 
-def _placements(
-    cfg: Config, mesh: MeshView
-) -> dict[tuple[Dispatch, Exchange], tuple[WeightPlacement, ...]]:
-    """Every (dispatch, exchange) candidate and where its weights could rest (every
-    expert group auto weighs, for an exchange)."""
-    return {
-        (s, ex): places
-        for s in candidates_for(cfg)
-        for ex, places in exchange_candidates(cfg, mesh, s).items()
-    }
-
-
 def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estimate] | None:
     """A config whose experts rest split by expert over the devices that now gather
     them, and what the selector would choose there; None when there is none or it has
@@ -401,12 +383,11 @@ def _analyse(
     for rule in (*rules.LAYOUT_RULES, *rules.MODEL_LAYOUT_RULES):
         findings += rule(cfg, mesh, dev)
 
-    options = _placements(cfg, mesh)
-    if not options:  # nothing can honour expert_exchange: gather, and say so below
-        options = _placements(cfg.replace(expert_exchange=Exchange.gather), mesh)
-    outside = step_outside(cfg, mesh, dev)  # the step outside the MoE blocks, once
+    options = candidate_placements(cfg, mesh)
+    # Once per config: the step outside the MoE blocks, and the block's problem.
+    outside, base = step_outside(cfg, mesh, dev), config_problem(cfg, mesh, dev)
     weighed = {
-        k: tuple((place, estimate(k[0], place, cfg, mesh, dev, outside)) for place in places)
+        k: tuple((place, estimate(k[0], place, base, mesh, outside)) for place in places)
         for k, places in options.items()
     }
     placements, estimates = {}, {}
@@ -442,7 +423,7 @@ def _analyse(
             for k, est in estimates.items()
         ),
         findings=tuple(findings),
-        gmm_backend=gmm_backend(cfg),
+        gmm_backend=base.kernel,
         placement=placements[(strategy, exchange)],
         exchange_backend=exchange_backend(cfg),
         target=targets.describe(cfg.hardware.name, mesh.num_devices, cfg.num_slices),

@@ -22,7 +22,6 @@ from .config import Config, Dispatch, Exchange
 from .cost import Estimate
 from .mesh import MeshView
 from .placement import WeightPlacement, expert_groups, gathered
-from .problem import gmm_backend as gmm_backend
 from .traits import traits
 
 ROUTED = (Dispatch.subgroup_capacity, Dispatch.megablox, Dispatch.dense)
@@ -57,6 +56,21 @@ def exchange_candidates(
         return {cfg.expert_exchange: options[cfg.expert_exchange]}
     if cfg.expert_exchange is not Exchange.auto and cfg.dispatch is Dispatch.auto:
         return {}  # auto looks only at dispatches that can honour the requested exchange
+    return options
+
+
+def candidate_placements(cfg: Config, mesh: MeshView) -> dict[Key, tuple[WeightPlacement, ...]]:
+    """Every (dispatch, exchange) candidate and where its weights could rest (every
+    expert group auto weighs, for an exchange). When nothing can honour expert_exchange,
+    the gathered ones (the layout rules say why)."""
+    for asked in (cfg, cfg.replace(expert_exchange=Exchange.gather)):
+        options = {
+            (s, ex): places
+            for s in candidates_for(asked)
+            for ex, places in exchange_candidates(asked, mesh, s).items()
+        }
+        if options:
+            break
     return options
 
 

@@ -8,7 +8,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Mode
+from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Hardware, Mode
 from .mesh import MeshView
 from .per_device import PerDevice
 from .placement import WeightPlacement
@@ -32,12 +32,6 @@ def gmm_backend(cfg: Config) -> str:
     if cfg.gmm_backend is not GmmBackend.auto:
         return cfg.gmm_backend.value
     return traits(cfg.hardware.platform).native_gmm
-
-
-def gmm_dense_over_groups(cfg: Config) -> bool:
-    """Whether the grouped matmul does every group's work on every row: `ragged_dot`
-    off TPU lowers to masked dense matmuls (XLA:CPU and XLA:GPU, measured)."""
-    return gmm_backend(cfg) == "ragged_dot" and traits(cfg.hardware.platform).ragged_dot_dense
 
 
 @dataclass(frozen=True)
@@ -85,25 +79,31 @@ class DeviceProblem:
     # The grouped matmul's tiling (megablox; `tile` is its tm) and the tiles priced.
     tiling: GmmTiling | None = None
     tile_options: tuple[TileOption, ...] = ()
+    # What the config says once, read by every candidate's count (`config_problem`):
+    # the experts' hidden widths before the hidden axes split them, the MoE layers, the
+    # optimizer's bytes a parameter, the row tile asked for, the chip and its compiler.
+    moe_hidden: int = 0
+    shared_hidden: float = 0.0
+    moe_layers: int = 1
+    optimizer_bytes_per_param: float = 0.0
+    row_tile_asked: int = 0
+    hardware: Hardware | None = dataclasses.field(default=None, repr=False)
+    platform: str = "cpu"
+    release: tuple[int, int] = (0, 0)
 
 
-def problem_shape(
-    cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement
-) -> DeviceProblem:
+def config_problem(cfg: Config, mesh: MeshView, dev: PerDevice) -> DeviceProblem:
+    """The problem as the config sets it, the same for every candidate (its expert
+    weights not yet placed: `placed` splits them); made once per config."""
     cap = dev.capacity_per_subgroup
     if cap is None:  # a dropless run priced on the capacity path: the factor-1 capacity
         cap = max(1, math.ceil(dev.expected_tokens_per_expert))
-    xb = DTYPE_BYTES.get(cfg.dtype, 4)
-    exchanged = place.exchange is Exchange.all_to_all
-    group = mesh.product(place.group_axes) if exchanged else 1
-    rest_axes = place.experts_axes + place.embed_axes + place.hidden_axes
-    rest = mesh.product(rest_axes)
-    # Exchanged weights keep their expert split; only the embed split is gathered.
-    gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
-    gathered = mesh.product(gathered_axes)
-    replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
-    compiler = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
-    p = DeviceProblem(
+    hw = cfg.hardware
+    release = jax_release(hw.jax_version)
+    compiler, kernel = traits(hw.platform, release), gmm_backend(cfg)
+    shared = shared_width(cfg.shared_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_gate)
+    train = cfg.mode is Mode.train
+    return DeviceProblem(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
         S=dev.sub_seq,
@@ -111,39 +111,79 @@ def problem_shape(
         k=cfg.num_experts_per_tok,
         C=cap,
         M=cfg.base_emb_dim,
-        H=cfg.base_moe_mlp_dim / mesh.product(place.hidden_axes),
-        Hs=shared_width(cfg.shared_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_gate)
-        / mesh.product(place.hidden_axes),
-        E_c=cfg.num_experts // group if exchanged else cfg.num_experts,
+        H=cfg.base_moe_mlp_dim,
+        Hs=shared,
+        E_c=cfg.num_experts,
+        group=1,
+        gathered=1,
+        rest_shards=1,
+        gate_shards=1,
+        replicas=mesh.num_devices,
+        xb=DTYPE_BYTES.get(cfg.dtype, 4),
+        pb=DTYPE_BYTES.get(cfg.param_dtype, 4),
+        passes=3 if train else 1,
+        tile=GMM_TAIL_ROWS[kernel],
+        # ragged_dot off TPU lowers to masked dense matmuls over every group (measured).
+        gmm_dense=kernel == "ragged_dot" and traits(hw.platform).ragged_dot_dense,
+        buffer_factor=cfg.expert_buffer_factor,
+        ragged=traits(hw.platform).ragged_exchange,
+        train=train,
+        kernel=kernel,
+        shared_gate=cfg.shared_expert_gate and cfg.shared_experts > 0,
+        relayouts=compiler.gather_relayouts,
+        dense_copies=compiler.dense_activation_copies[train],
+        moe_hidden=cfg.base_moe_mlp_dim,
+        shared_hidden=shared,
+        moe_layers=max(cfg.num_moe_layers, 1),
+        optimizer_bytes_per_param=cfg.optimizer_bytes_per_param,
+        row_tile_asked=cfg.gmm_row_tile,
+        hardware=hw,
+        platform=hw.platform,
+        release=release,
+    )
+
+
+def placed(base: DeviceProblem, mesh: MeshView, place: WeightPlacement) -> DeviceProblem:
+    """`base` (`config_problem`) with its expert weights at `place`: how they are split
+    at rest, gathered or exchanged, and the grouped matmul's tile for the rows that
+    follow."""
+    exchanged = place.exchange is Exchange.all_to_all
+    group = mesh.product(place.group_axes) if exchanged else 1
+    rest_axes = place.experts_axes + place.embed_axes + place.hidden_axes
+    rest = mesh.product(rest_axes)
+    # Exchanged weights keep their expert split; only the embed split is gathered.
+    gathered_axes = place.embed_axes + (() if exchanged else place.experts_axes)
+    replica_axes = tuple(a for a, n in mesh.sizes if n > 1 and a not in rest_axes)
+    hidden = mesh.product(place.hidden_axes)
+    p = dataclasses.replace(
+        base,
+        H=base.moe_hidden / hidden,
+        Hs=base.shared_hidden / hidden,
+        E_c=base.E // group if exchanged else base.E,
         group=group,
-        gathered=gathered,
+        gathered=mesh.product(gathered_axes),
         rest_shards=rest,
         gate_shards=mesh.product(place.shared_embed_axes),
         gate_dcn=mesh.dcn_product(place.shared_embed_axes),
         replicas=max(1, mesh.num_devices // rest),
-        xb=xb,
-        pb=DTYPE_BYTES.get(cfg.param_dtype, 4),
-        passes=3 if cfg.mode is Mode.train else 1,
-        tile=GMM_TAIL_ROWS[gmm_backend(cfg)],
-        gmm_dense=gmm_dense_over_groups(cfg),
-        buffer_factor=cfg.expert_buffer_factor,
-        ragged=traits(cfg.hardware.platform).ragged_exchange,
-        train=cfg.mode is Mode.train,
         gathered_dcn=mesh.dcn_product(gathered_axes),
         group_dcn=mesh.dcn_product(place.group_axes) if exchanged else 1,
         replicas_dcn=mesh.dcn_product(replica_axes),
-        hidden_shards=mesh.product(place.hidden_axes),
+        hidden_shards=hidden,
         hidden_dcn=mesh.dcn_product(place.hidden_axes),
-        kernel=gmm_backend(cfg),
-        shared_gate=cfg.shared_expert_gate and cfg.shared_experts > 0,
         embed_gathered=mesh.product(place.embed_axes),
-        relayouts=compiler.gather_relayouts,
-        dense_copies=compiler.dense_activation_copies[cfg.mode is Mode.train],
     )
-    return with_tiling(cfg, p)
+    return with_tiling(p)
 
 
-def with_tiling(cfg: Config, p: DeviceProblem) -> DeviceProblem:
+def problem_shape(
+    cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement
+) -> DeviceProblem:
+    """One candidate's problem from the config: `placed(config_problem(...), ...)`."""
+    return placed(config_problem(cfg, mesh, dev), mesh, place)
+
+
+def with_tiling(p: DeviceProblem) -> DeviceProblem:
     """`p` with the grouped matmul's row tile chosen for its rows (selector.tiling):
     the Pallas kernels' `tm` becomes `p.tile`, which the rows are counted at."""
     shape = TileShape(
@@ -156,9 +196,9 @@ def with_tiling(cfg: Config, p: DeviceProblem) -> DeviceProblem:
         itemsize=p.xb,
         train=p.train,
     )
-    hw = cfg.hardware
+    hw = p.hardware
     tiling, options = choose_tiling(
-        p.kernel, shape, cfg.gmm_row_tile, hw.matmul_tflops * 1e12, hw.hbm_bandwidth_gbps * 1e9
+        p.kernel, shape, p.row_tile_asked, hw.matmul_tflops * 1e12, hw.hbm_bandwidth_gbps * 1e9
     )
     tile = tiling.tm if p.kernel == "pallas_megablox" else p.tile
     return dataclasses.replace(p, tile=tile, tiling=tiling, tile_options=options)

@@ -34,14 +34,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .architecture import (
-    attention_params,
-    gated_delta_net_params,
-    is_full_attention,
-    is_moe_layer,
-    is_qwen3_next,
-    model_params,
-)
+from .architecture import LayerParams, ModelParams, model_params
 from .config import DTYPE_BYTES, Config, ContextStrategy, Dispatch, Exchange, Mode
 from .mesh import MeshView
 from .per_device import PerDevice
@@ -137,14 +130,15 @@ def non_expert_shards(mesh: MeshView) -> int:
     return mesh.product(sorted(axes))
 
 
-def named_activations(cfg: Config, layer: int) -> dict[str, float]:
-    """Elements per token of each checkpoint name decoder layer `layer` can save."""
+def named_activations(cfg: Config, layer: LayerParams) -> dict[str, float]:
+    """Elements per token of each checkpoint name a decoder layer (`layer`, one of
+    `ModelParams.layers`) can save."""
     hq, hkv, hd = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
     if cfg.attention_type == "mla":
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         names = {"query_proj": hq * qk, "key_proj": hq * qk, "value_proj": hq * cfg.v_head_dim}
         names["context"] = hq * cfg.v_head_dim
-    elif not is_full_attention(cfg, layer):
+    elif not layer.full_attention:
         # A Gated DeltaNet layer: its projections carry no checkpoint names in MaxText
         # 0.2.5; its output projection is the layer's out_proj.
         names = {}
@@ -152,7 +146,7 @@ def named_activations(cfg: Config, layer: int) -> dict[str, float]:
         names = {"query_proj": hq * hd, "key_proj": hkv * hd, "value_proj": hkv * hd}
         names["context"] = hq * hd
     names["out_proj"] = cfg.base_emb_dim
-    if not is_moe_layer(cfg, layer):
+    if not layer.moe:
         names.update(mlpwi_0=cfg.base_mlp_dim, mlpwi_1=cfg.base_mlp_dim, mlpwo=cfg.base_emb_dim)
     elif cfg.moe_checkpoint_names and cfg.dispatch is Dispatch.megablox:
         # MaxText's sparse path: per routed row (k a token) the gate projection and the
@@ -172,27 +166,24 @@ def named_activations(cfg: Config, layer: int) -> dict[str, float]:
     return names
 
 
-def saved_per_token(cfg: Config) -> float:
-    """Elements per token every layer keeps for the backward: its input, and what the
-    remat policy saves."""
+def saved_per_token(cfg: Config, params: ModelParams) -> float:
+    """Elements per token every layer of `params` (`model_params(cfg)`) keeps for the
+    backward: its input, and what the remat policy saves."""
     saves = REMAT_SAVES[cfg.remat_policy]
     total = 0.0
-    for layer in range(cfg.base_num_decoder_layers):
+    for layer in params.layers:
         named = named_activations(cfg, layer)
         total += cfg.base_emb_dim + sum(named.get(name, 0) for name in saves)
     return total
 
 
-def kv_per_token(cfg: Config) -> float:
-    """Cache elements per token over every full-attention layer."""
+def kv_per_token(cfg: Config, params: ModelParams) -> float:
+    """Cache elements per token over every full-attention layer of `params`."""
     if cfg.attention_type == "mla":
         per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     else:
         per_layer = 2 * cfg.base_num_kv_heads * cfg.head_dim
-    layers = cfg.base_num_decoder_layers
-    if is_qwen3_next(cfg):
-        layers //= max(cfg.inhomogeneous_layer_cycle_interval, 1)
-    return per_layer * layers
+    return per_layer * len(params.full_attention_layers)
 
 
 def layer_working_set(weights: float, activations: float, xb: int, train: bool) -> float:
@@ -265,7 +256,9 @@ def gdn_bytes_per_token(cfg: Config, cp: int, train: bool) -> float:
     return total
 
 
-def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
+def attention_peak(
+    cfg: Config, mesh: MeshView, tokens: float, train: bool, params: ModelParams
+) -> float:
     """One layer's attention working set, the larger over the attention kinds the
     decoder has. Full attention: its weights gathered in the compute dtype (and their
     float32 gradient before the reduce-scatter, training); queries and output for the
@@ -276,15 +269,15 @@ def attention_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> f
     stays sharded)."""
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
     hidden = mesh.product(mesh.hidden_axes)
-    layers = range(cfg.base_num_decoder_layers)
-    full = [i for i in layers if is_full_attention(cfg, i)]
-    weights = max((attention_params(cfg, i) for i in full or [0]), default=0) / hidden
-    named = named_activations(cfg, full[0] if full else 0)
+    full = params.full_attention_layers or params.layers[:1]
+    weights = max((layer.attention for layer in full), default=0) / hidden
+    named = named_activations(cfg, full[0]) if full else {}
     q = named.get("query_proj", 0) + named.get("context", 0) + cfg.base_emb_dim
     kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * gathered_shards(cfg, mesh)
     peak = layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
-    if len(full) < cfg.base_num_decoder_layers:  # Gated DeltaNet layers
-        gdn = layer_working_set(gated_delta_net_params(cfg) / hidden, 0.0, xb, train)
+    linear = [layer for layer in params.layers if not layer.full_attention]
+    if linear:  # Gated DeltaNet layers
+        gdn = layer_working_set(linear[0].attention / hidden, 0.0, xb, train)
         gdn += tokens * gdn_bytes_per_token(cfg, mesh.cp, train) / hidden
         peak = max(peak, gdn)
     return peak
@@ -306,9 +299,11 @@ def gathered_shards(cfg: Config, mesh: MeshView) -> int:
     return mesh.cp
 
 
-def dense_ffn_peak(cfg: Config, mesh: MeshView, tokens: float, train: bool) -> float:
+def dense_ffn_peak(
+    cfg: Config, mesh: MeshView, tokens: float, train: bool, params: ModelParams
+) -> float:
     """One dense SwiGLU layer's working set (0 when every layer is an MoE layer)."""
-    if not any(not is_moe_layer(cfg, i) for i in range(cfg.base_num_decoder_layers)):
+    if not params.dense_layers:
         return 0.0
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
     hidden = mesh.product(mesh.hidden_axes)
@@ -357,7 +352,7 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
     kv_cache = 0.0
     if not train:  # the cache of every sequence this device serves, split over cp
         cached = dev.local_batch * cfg.max_target_length / max(mesh.cp, 1)
-        kv_cache = cached * kv_per_token(cfg) * xb
+        kv_cache = cached * kv_per_token(cfg, params) * xb
     return StepOutside(
         train=train,
         compute_bytes=xb,
@@ -366,10 +361,10 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
         other_params=other,
         layer_other_params=other - outside / non_expert_shards(mesh),
         kv_cache=kv_cache,
-        saved_activations=tokens * saved_per_token(cfg) * xb if train else 0.0,
+        saved_activations=tokens * saved_per_token(cfg, params) * xb if train else 0.0,
         logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
-        attention_peak=attention_peak(cfg, mesh, tokens, train),
-        dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train),
+        attention_peak=attention_peak(cfg, mesh, tokens, train, params),
+        dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train, params),
     )
 
 

@@ -28,13 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .architecture import (
-    attention_params,
-    is_full_attention,
-    is_moe_layer,
-    is_qwen3_next,
-    model_params,
-)
+from .architecture import LayerParams, is_qwen3_next, model_params
 from .config import DTYPE_BYTES, Config, Mode
 from .cost import Estimate
 from .mesh import MeshView
@@ -97,13 +91,13 @@ def _dot_seconds(flops: float, cfg: Config) -> float:
     return flops / matmul_rate(flops, cfg.hardware) if flops > 0 else 0.0
 
 
-def _attention_core_flops(cfg: Config, layer: int, tokens: float, seq: int) -> float:
+def _attention_core_flops(cfg: Config, layer: LayerParams, tokens: float, seq: int) -> float:
     """Forward FLOPs of one layer's attention over `tokens` queries of sequences of
     `seq` (causal: half the score matrix), all heads."""
     if cfg.attention_type == "mla":
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         return 2 * tokens * seq * cfg.base_num_query_heads * (qk + cfg.v_head_dim) / 2
-    if not is_full_attention(cfg, layer):
+    if not layer.full_attention:
         # Gated DeltaNet: per chunk the C x C products (q k^T, the decay-masked
         # attention times values, the triangular solve's products) and per token the
         # state's read and update (Dk x Dv a head, twice).
@@ -118,13 +112,13 @@ def _attention_core_flops(cfg: Config, layer: int, tokens: float, seq: int) -> f
 _MOE_NAMES = ("mlpwi_0", "mlpwi_1", "mlpwo")
 
 
-def _recomputed_share(cfg: Config, layer: int) -> float:
+def _recomputed_share(cfg: Config, layer: LayerParams) -> float:
     """Of one layer's projection FLOPs outside the MoE block, the share the backward
     recomputes: what the remat policy does not save (by the saved outputs' width)."""
     saves = set(REMAT_SAVES.get(cfg.remat_policy, ()))
     named = named_activations(cfg, layer)
     named.pop("context", None)
-    if is_moe_layer(cfg, layer):  # the MoE block's names: `_moe_recomputed_share`
+    if layer.moe:  # the MoE block's names: `_moe_recomputed_share`
         for name in _MOE_NAMES:
             named.pop(name, None)
     width = sum(named.values())
@@ -161,11 +155,10 @@ def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> 
     moe = block * cfg.num_moe_layers
 
     saves = set(REMAT_SAVES.get(cfg.remat_policy, ()))
+    params = model_params(cfg)
     layer_dots = attention = recompute = 0.0
-    for layer in range(cfg.base_num_decoder_layers):
-        weights = attention_params(cfg, layer)
-        if not is_moe_layer(cfg, layer):
-            weights += 3 * cfg.base_emb_dim * cfg.base_mlp_dim
+    for layer in params.layers:
+        weights = layer.attention + layer.dense_ffn
         proj = _dot_seconds(2 * tokens * weights / tensor, cfg)
         core = _dot_seconds(_attention_core_flops(cfg, layer, tokens, dev.seq_len) / tensor, cfg)
         layer_dots += passes * proj
@@ -182,7 +175,6 @@ def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> 
 
     # Network. Non-expert weights rest over every axis but the data axes; the tensor
     # axis splits their dots, the others are gathered for them.
-    params = model_params(cfg)
     non_expert = params.non_expert
     resting = non_expert_shards(mesh)
     gather_axes = tuple(
@@ -217,10 +209,10 @@ def step_time(cfg: Config, mesh: MeshView, dev: PerDevice, chosen: Estimate) -> 
         tensor_sums = _link_seconds(nbytes, ("tensor",), mesh, cfg, sums)
     cp_axes = tuple(a for a in mesh.sequence_axes if mesh.size(a) > 1)
     if cp_axes and cfg.mode is not Mode.decode:
-        full = [i for i in range(layers) if is_full_attention(cfg, i)]
+        full = params.full_attention_layers
         # Widths a token of a full-attention layer: its keys and values, its queries
         # and output (the checkpoint names' widths, `named_activations`).
-        named = named_activations(cfg, full[0] if full else 0)
+        named = named_activations(cfg, full[0]) if full else {}
         kv_width = named.get("key_proj", 0) + named.get("value_proj", 0)
         q_width = named.get("query_proj", 0) + named.get("context", 0)
         ulysses = mesh.size("context_usp_ulysses")

@@ -11,23 +11,21 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ..config import MESH_AXES, Config
-from ..mesh import MeshView, fill_tier
+from ..mesh import MeshView
 
 
-def ici_sizes(cfg: Config, mesh: MeshView) -> dict[str, int] | None:
-    """Each axis's resolved ici size (the mesh size over its dcn size)."""
+def ici_sizes(mesh: MeshView) -> dict[str, int] | None:
+    """Each axis's resolved ici size (the mesh size over its dcn size); None for a live
+    mesh, which no setting changes."""
     if mesh.source != "config":
         return None
-    dcn = fill_tier(cfg, "dcn", cfg.num_slices, [])  # the mesh reported any problem
-    if dcn is None:
-        return None
-    return {a: mesh.size(a) // dcn[a] for a in MESH_AXES}
+    return {a: mesh.size(a) // mesh.dcn_product((a,)) for a in MESH_AXES}
 
 
 def move(cfg: Config, mesh: MeshView, new: dict[str, int], to: str = "data"):
     """Overrides setting ici sizes `new` (axis -> size) with the devices freed or needed
     taken up by `to`; None when that cannot be done in whole devices."""
-    ici = ici_sizes(cfg, mesh)
+    ici = ici_sizes(mesh)
     if ici is None:
         return None
     ratio = Fraction(1)

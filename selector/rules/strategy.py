@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from ..config import CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
+from ..config import MESH_AXES, CapacityRounding, Config, Dispatch, Exchange, ExpertGroup, Mode
 from ..cost import Estimate, Verdict
 from ..findings import Finding, error, fix, warning
-from ..mesh import MeshView, fill_tier
+from ..mesh import MeshView
 from ..per_device import PerDevice, capacity
 from ..placement import exchange_group
 from ..step_memory import STEP_PARTS
@@ -265,9 +265,7 @@ def _more_slices(cfg: Config, mesh: MeshView) -> list:
     global batch grows with the chips. Configs only: a live mesh is what it is."""
     if mesh.source != "config" or cfg.num_slices < 1:
         return []
-    dcn = fill_tier(cfg, "dcn", cfg.num_slices, [])
-    if dcn is None:
-        return []
+    dcn = {a: mesh.dcn_product((a,)) for a in MESH_AXES}
     # A dcn -1 fill is written out, so it is not recomputed on the bigger machine.
     filled = {f"dcn_{a}_parallelism": n for a, n in dcn.items() if cfg.parallelism("dcn", a) == -1}
     fixes = []

@@ -525,7 +525,7 @@ def test_two_experts_unsplit_are_relaid_for_their_gather_on_a_gpu():
     on a device, so XLA:GPU relays the stacks (selector.cost.relaid_for_gather)."""
     from selector.cost import relaid_for_gather
 
-    cfg, plan, _ = problem(
+    _, plan, p = problem(
         "hardware=h200",
         "num_experts=2",
         "num_experts_per_tok=1",
@@ -535,4 +535,4 @@ def test_two_experts_unsplit_are_relaid_for_their_gather_on_a_gpu():
         "expert_exchange=gather",
     )
     assert plan.mesh.product(plan.placement.experts_axes) == 1
-    assert relaid_for_gather(cfg, plan.mesh, plan.placement)
+    assert relaid_for_gather(p, plan.mesh, plan.placement)

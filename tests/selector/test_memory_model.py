@@ -376,7 +376,7 @@ def test_temp_is_the_count_times_the_compilers_constant():
 
     cfg, plan, p = problem("ici_data_parallelism=1", "ici_fsdp_parallelism=8")
     h = held_buffers(plan.strategy, plan.placement.exchange, p, "cpu")
-    assert temp_bytes(h, cfg) == pytest.approx(h.total * 1.45)
+    assert temp_bytes(h, cfg.hardware.platform) == pytest.approx(h.total * 1.45)
     tpu = typed("hardware=v5p", "num_devices=8")
     assert program_key(Dispatch.mlp, Exchange.gather, tpu) == "tpu train dense"
 
@@ -399,7 +399,9 @@ def test_capacity_masks_are_held_as_the_compiler_holds_them(platform, train, per
     assert got.masks == p.T * p.E * p.C * per_element
     plain = held_buffers(Dispatch.megablox, Exchange.gather, p, platform)
     assert plain.masks == 0
-    assert temp_bytes(got, cfg) == pytest.approx((got.total - got.masks) * 1.45 + got.masks)
+    assert temp_bytes(got, cfg.hardware.platform) == pytest.approx(
+        (got.total - got.masks) * 1.45 + got.masks
+    )
 
 
 def test_capacity_block_counted_within_20_percent_of_xla_gpu():
@@ -505,7 +507,7 @@ def test_the_exchanged_training_heap_is_its_studys_median(study):
         h = held_buffers(plan.strategy, plan.placement.exchange, p, platform, release)
         row = rows[exchange_heap.label(point)]
         temp = row["temp_mib"] * 2**20
-        error = temp_bytes(h, cfg) / temp - 1
+        error = temp_bytes(h, cfg.hardware.platform) / temp - 1
         if point[3]["E"] == point[3]["devices"]:  # one local expert: no law
             assert h.heap == 1.0
             alone.append(error)
@@ -550,7 +552,7 @@ def test_the_exchanged_serving_heap_is_its_studys_median(study):
         inside = inside and shape.get("shared") != 1
         temp = row["temp_mib"] * 2**20
         ratios[inside].append(temp / h.total)
-        errors.append(temp_bytes(h, cfg) / temp - 1)
+        errors.append(temp_bytes(h, cfg.hardware.platform) / temp - 1)
     assert len(errors) >= 30
     if compiler.exchange_serving_window == (0, 0, 0):
         assert compiler.exchange_serving_heap == (1.0, 1.0)

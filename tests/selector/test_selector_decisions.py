@@ -346,7 +346,8 @@ def test_capacity_asked_by_name_without_a_capacity_factor_is_priced_and_refused(
 def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatch):
     """The README's error case: one analysis of the config, one more per fix a finding
     proposes (each checked by analysing the fixed config), none for the report; and the
-    step outside the MoE blocks is counted once per analysis, not once per candidate."""
+    step outside the MoE blocks and the block's problem are counted once per analysis,
+    not once per candidate."""
     import collections
 
     from selector import plan as plan_module
@@ -366,6 +367,9 @@ def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatc
     monkeypatch.setattr(
         step_module, "model_params", counted("model_params", step_module.model_params)
     )
+    monkeypatch.setattr(
+        plan_module, "config_problem", counted("config_problem", plan_module.config_problem)
+    )
     cfg = typed(
         "model=qwen3_next_80b_a3b",
         "ici_context_parallelism=4",
@@ -376,5 +380,70 @@ def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatc
     proposed = sum(len(f.tried) for f in findings)
     assert proposed > 0 and any(f.severity is Severity.error for f in findings)
     assert calls["analyse"] == 1 + proposed
-    # The model's parameters are counted for the step once per analysis, not per candidate.
+    # The model's parameters are counted for the step once per analysis, not per
+    # candidate; the block's problem is made once per analysis and placed per candidate.
     assert calls["model_params"] <= calls["analyse"] < calls["estimate"]
+    assert calls["config_problem"] == calls["analyse"]
+
+
+def _stops(cfg: Config) -> list[tuple[str, str]]:
+    """The selector modules one analysis of `cfg` passes the config through, in order:
+    each call that takes the config (a `Config` among its arguments) in a module other
+    than the last one's starts a stop. Calls inside the config's own module (its
+    properties and methods) are not stops."""
+    import sys
+    from pathlib import Path
+
+    from selector import plan as plan_module
+
+    root = Path(plan_module.__file__).parent
+    stops: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        path = Path(frame.f_code.co_filename)
+        if root not in path.parents or path.name == "config.py":
+            return
+        if any(isinstance(value, Config) for value in frame.f_locals.values()):
+            module = str(path.relative_to(root))
+            if not stops or stops[-1][0] != module:
+                stops.append((module, frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        plan_module._analyse(cfg, None)
+    finally:
+        sys.setprofile(None)
+    return stops
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model=tiny", "mesh=cpu_8", "ici_context_parallelism=4", "per_device_batch_size=0.25"),
+        ("model=qwen3_next_80b_a3b", "mesh=v5p_128", "hardware=v5p"),
+        ("model=deepseek_v3", "mesh=v5p_128", "hardware=v5p", "mode=decode"),
+        # Findings whose fixes move devices between axes and add slices.
+        (
+            "model=mixtral_8x7b",
+            "mesh=h200_8",
+            "hardware=h200",
+            "ici_context_parallelism=2",
+            "ici_fsdp_parallelism=4",
+        ),
+    ],
+)
+def test_one_analysis_passes_the_config_through_fewer_than_20_stops(overrides):
+    """The analysis reads the config once per stage: the rules, the mesh, the per-device
+    numbers, the placements, the step outside the MoE blocks (the model's layers walked
+    once), the block's problem (made once, then placed per candidate, which reads the
+    config no more), the choice and the findings. Re-reading it per candidate or per
+    layer would bounce between modules (62 stops for the first case before the problem
+    was made once per config)."""
+    stops = _stops(typed(*overrides))
+    modules = [module for module, _ in stops]
+    assert len(stops) < 20, stops
+    # Each candidate's count takes the problem, not the config.
+    assert "cost.py" not in modules and "memory_model.py" not in modules, stops
+    assert modules.count("problem.py") == 1 and modules.count("architecture.py") == 1, stops

@@ -701,7 +701,11 @@ def test_maxtexts_moe_checkpoint_names_are_saved_by_the_policies_that_name_them(
     a policy saving them keeps k x (hidden + emb) a token a MoE layer (compiled: the
     found qwen3-30b-a3b layout at 131,072 tokens with minimal_with_context holds 107 GiB,
     and the count without these names said 60.7)."""
-    from selector.step_memory import saved_per_token
+    from selector.architecture import model_params
+    from selector.step_memory import saved_per_token as saved_per_token_of
+
+    def saved_per_token(cfg):
+        return saved_per_token_of(cfg, model_params(cfg))
 
     base = str(maxtext_dir / "configs" / "base.yml")
     qwen = from_maxtext(base, ["model_name=qwen3-30b-a3b"]).config
