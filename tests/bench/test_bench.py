@@ -198,6 +198,31 @@ def test_two_timing_runs_are_compared_by_their_fastest_and_relative_times():
     assert got["relative_time_ratio"][2] == 1.5  # x: 1.5 over the fastest, was 1
 
 
+def test_runs_are_pooled_by_each_runs_order_not_its_speed():
+    """`pooled` scales each run's rounds to its config's fastest median: a run twice as
+    slow overall weighs the same as the first, so two runs that disagree on the order
+    pool to the candidate ahead on the two together; a candidate or config that a run
+    did not time is left out."""
+    from bench.picks import pooled
+
+    first = [
+        {"label": "a", "times_s": {"x": [1.0, 1.0], "y": [1.2, 1.2]}},
+        {"label": "b", "times_s": {"x": [1.0], "y": [2.0]}},
+    ]
+    # Twice as slow overall; in "a" y is now ahead, by less than x was.
+    second = [
+        {"label": "a", "times_s": {"x": [2.2, 2.2], "y": [2.0, 2.0], "z": [9.0, 9.0]}},
+        {"label": "c", "times_s": {"x": [1.0], "y": [2.0]}},
+    ]
+    (a,) = pooled([first, second])
+    assert a["label"] == "a" and set(a["times_s"]) == {"x", "y"}
+    assert a["times_s"]["x"] == pytest.approx([1.0, 1.0, 1.1, 1.1])
+    assert a["times_s"]["y"] == pytest.approx([1.2, 1.2, 1.0, 1.0])
+    # x: median 1.05, y: 1.1 -> x ahead on the two runs together.
+    medians = {n: sorted(t)[1:3] for n, t in a["times_s"].items()}
+    assert sum(medians["x"]) < sum(medians["y"])
+
+
 def test_the_targets_page_quotes_todays_count_of_its_compiles():
     """Both stacks' small-block tables are on the page as their JSON gives them, and the
     JSON's predictions are today's count (`bench.targets --check`)."""
