@@ -116,6 +116,12 @@ def test_the_readme_limits_quote_the_stored_results():
     fastest, configs = picks["picks_fastest"].split(" of ")
     assert f"CPU picks: {fastest} of {configs} the measured fastest" in readme
     assert f"worst regret {picks['worst_regret']:.2f}" in readme
+    study = _stored("picks_cpu")
+    pooled, same = study["pooled"], study["earlier_timings"]["reproduced"]["same_fastest"]
+    assert (
+        f"pooled {pooled['summary']['picks_fastest']}, worst "
+        f"{pooled['summary']['worst_regret']:.2f} (runs agree on the fastest in {same})"
+    ) in readme
 
     then = _stored("on_device_h200")["summary"]
     now = _stored("on_device_h200_rescored")["summary"]

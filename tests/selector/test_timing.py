@@ -616,7 +616,8 @@ def test_the_picks_numbers_quoted_are_the_studys():
     now, before = study["summary"], study["baseline"]["summary"]
     readme = (ROOT / "README.md").read_text()
     page = (ROOT / "docs/results/picks.md").read_text()
-    for summary in (now, before, *(row["summary"] for row in study["earlier"])):
+    pooled = [study["pooled"]["summary"]] if "pooled" in study else []
+    for summary in (now, before, *(row["summary"] for row in study["earlier"]), *pooled):
         row = (
             f"| {summary['picks_fastest']} | {summary['within_noise']} | "
             f"{summary['worst_regret']:.2f} | {summary['median_regret']:.2f} | "
