@@ -749,3 +749,53 @@ def test_a_non_expert_weight_rests_split_over_every_axis_but_the_data_axes():
     assert split == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 2}
     assert "tensor" in mesh.hidden_axes and "tensor" not in mesh.expert_axes
     assert non_expert_shards(mesh) == 8
+
+
+def test_a_dense_layer_peaks_with_its_mlp_split_over_tensor():
+    """One dense layer of two (first_num_dense_layers=1), tensor=2 x data=4, float32,
+    training, 4,096 tokens a device: its SwiGLU's three matrices (3 x 64 x 96) split
+    over tensor, gathered in the compute dtype and their float32 gradient (8 bytes an
+    element); its activations, the three hidden products split (3 x 96 / 2) and the
+    output (64), 4 bytes each, and a cotangent of each:
+    9,216 x 8 + 2 x 4,096 x 208 x 4 = 6,889,472 bytes. With every layer an MoE layer
+    the step holds no dense layer's peak."""
+    from helpers import typed
+
+    from selector.plan import analyse as analyse_typed
+
+    dense = typed(
+        "first_num_dense_layers=1",
+        "base_num_decoder_layers=2",
+        "base_mlp_dim=96",
+        "ici_tensor_parallelism=2",
+        "ici_data_parallelism=4",
+    )
+    plan, _ = analyse_typed(dense)
+    assert plan.per_device.tokens_per_device == 4096 and plan.mesh.hidden_axes == ("tensor",)
+    assert plan.chosen_estimate.step.dense_ffn_peak == 9_216 * 8 + 2 * 4_096 * 208 * 4
+    plan, _ = analyse_typed(typed("ici_tensor_parallelism=2", "ici_data_parallelism=4"))
+    assert plan.chosen_estimate.step.dense_ffn_peak == 0
+
+
+def test_each_layer_says_whether_it_attends_whole_and_whether_it_routes():
+    """A Qwen3-Next decoder of four layers, one cycle (every fourth layer full
+    attention, the others Gated DeltaNet), its first layer dense: the layers the step's
+    memory and time walk are, in order, linear and dense; linear and MoE twice; full
+    and MoE. A dense layer's kind is its own, not a full-attention default."""
+    from helpers import typed
+
+    cfg = typed(
+        "decoder_block=qwen3_next",
+        "inhomogeneous_layer_cycle_interval=4",
+        "base_num_decoder_layers=4",
+        "first_num_dense_layers=1",
+    )
+    params = model_params(cfg)
+    assert [(layer.full_attention, layer.moe) for layer in params.layers] == [
+        (False, False),
+        (False, True),
+        (False, True),
+        (True, True),
+    ]
+    assert (params.dense_layers, params.moe_layers) == (1, 3)
+    assert len(params.full_attention_layers) == 1
