@@ -355,11 +355,11 @@ def estimate(
     p = placed(base, mesh, place)
     rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
-    held = held_buffers(strategy, place.exchange, p, p.platform, p.release)
-    memory = block_memory(p, rest, temp_bytes(held, p.platform))
+    hw = p.hardware
+    held = held_buffers(strategy, place.exchange, p, hw.platform, p.release)
+    memory = block_memory(p, rest, temp_bytes(held, hw.platform))
     written = activation_traffic(strategy, place.exchange, p)
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
-    hw = p.hardware
     work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
     parts = price(work, hw)
     state = state_bytes(p, rest)
@@ -399,7 +399,7 @@ def relaid_for_gather(p: DeviceProblem, mesh: MeshView, place: WeightPlacement) 
     (bfloat16 ones with bfloat16 weights); Qwen3-30B-A3B three f32[32, 48, 128, 768].
     XLA:TPU gathers them in place (`test_tpu_step_gathers_the_expert_stacks_in_place`).
     Read in training steps only: serving programs are counted without the copy."""
-    if not traits(p.platform).hoists_f32_expert_stacks or not p.train:
+    if not traits(p.hardware.platform).hoists_f32_expert_stacks or not p.train:
         return False
     if mesh.product(place.embed_axes) <= 1:
         return False

@@ -81,14 +81,14 @@ class DeviceProblem:
     tile_options: tuple[TileOption, ...] = ()
     # What the config says once, read by every candidate's count (`config_problem`):
     # the experts' hidden widths before the hidden axes split them, the MoE layers, the
-    # optimizer's bytes a parameter, the row tile asked for, the chip and its compiler.
+    # optimizer's bytes a parameter, the row tile asked for, the chip and the jax
+    # release its compiler comes with.
     moe_hidden: int = 0
     shared_hidden: float = 0.0
     moe_layers: int = 1
     optimizer_bytes_per_param: float = 0.0
     row_tile_asked: int = 0
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
-    platform: str = "cpu"
     release: tuple[int, int] = (0, 0)
 
 
@@ -138,7 +138,6 @@ def config_problem(cfg: Config, mesh: MeshView, dev: PerDevice) -> DeviceProblem
         optimizer_bytes_per_param=cfg.optimizer_bytes_per_param,
         row_tile_asked=cfg.gmm_row_tile,
         hardware=hw,
-        platform=hw.platform,
         release=release,
     )
 
