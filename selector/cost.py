@@ -35,9 +35,9 @@ import enum
 import math
 from dataclasses import asdict, dataclass
 
+from .block_arrays import ROUTER_BYTES, block_arrays, written_bytes
 from .config import Dispatch, Exchange, Hardware
 from .memory_model import (
-    ROUTER_BYTES,
     HeldBuffers,
     held_buffers,
     routed_weight_elements,
@@ -253,12 +253,6 @@ def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
     return routed_weights_read(strategy, p) + 3 * p.M * p.Hs * p.xb * p.passes
 
 
-def routed_row_bytes(p: DeviceProblem) -> float:
-    """Bytes of the routed rows one forward pass writes through the grouped matmul: the
-    rows in, their two hidden products and the product of them, the rows out."""
-    return p.T * p.k * (2 * p.M + 3 * p.H) * p.xb
-
-
 def memory_bytes(strategy: Dispatch, p: DeviceProblem, moved: Traffic) -> float:
     """HBM bytes a step moves. Under the Pallas kernels the grouped matmul's share is
     the kernels' own count of what their grids move at the chosen row tile (rows and
@@ -268,28 +262,9 @@ def memory_bytes(strategy: Dispatch, p: DeviceProblem, moved: Traffic) -> float:
     option = next((o for o in p.tile_options if o.tm == p.tile), None)
     if strategy is not Dispatch.megablox or p.kernel != "pallas_megablox" or option is None:
         return moved.hbm
-    routed = 2 * routed_row_bytes(p) * p.passes + routed_weights_read(strategy, p)
+    grouped = (a for a in block_arrays(strategy, Exchange.gather, p) if a.grouped)
+    routed = 2 * written_bytes(grouped) * p.passes + routed_weights_read(strategy, p)
     return moved.hbm - routed + option.hbm_bytes
-
-
-def activation_traffic(strategy: Dispatch, exchange: Exchange, p: DeviceProblem) -> float:
-    """Bytes of activations one forward pass writes to HBM (each is read once more):
-    the rows into the experts, their two hidden products and the product of them, the
-    rows out; the router's float32 probabilities, the shared experts' hidden products
-    and the block's output. Exchanged rows are packed into the send buffers and
-    received once more each way. Counted from the dispatch's arrays, not from what the
-    program holds at its peak (one round of the exchange's buffers is live at a time;
-    every round's rows move)."""
-    out = p.T * p.M * p.xb + p.T * 3 * p.Hs * p.xb
-    if strategy is Dispatch.mlp:
-        return p.T * (3 * p.H) * p.xb + out
-    out += p.T * p.E * ROUTER_BYTES
-    if strategy is Dispatch.megablox:
-        moved = 2 * p.T * p.k * p.M * p.xb if exchange is Exchange.all_to_all else 0.0
-        return routed_row_bytes(p) + moved + out
-    if strategy is Dispatch.dense:
-        return p.T * p.E_c * (3 * p.H + p.M) * p.xb + out
-    return p.G * p.E * p.C * (2 * p.M + 3 * p.H) * p.xb + out  # subgroup_capacity
 
 
 def traffic(
@@ -303,7 +278,7 @@ def traffic(
     """Bytes a device moves per step, each collective's split between the links it
     crosses (ICI within a slice, DCN across slices; `link_split`, `exchange_split`).
     `activations`: the bytes of activations one forward pass writes
-    (`activation_traffic`)."""
+    (`block_arrays.written_bytes`)."""
     hbm = 2 * activations * p.passes + weights_read(strategy, p)
     trips = 2 if p.train else 1  # gather in; reduce-scatter the gradient out
     routed = routed_weight_elements(strategy, p) * p.xb
@@ -358,7 +333,7 @@ def estimate(
     hw = p.hardware
     held = held_buffers(strategy, place.exchange, p, hw.platform, p.release)
     memory = block_memory(p, rest, temp_bytes(held, hw.platform))
-    written = activation_traffic(strategy, place.exchange, p)
+    written = written_bytes(block_arrays(strategy, place.exchange, p))
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
     work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
     parts = price(work, hw)

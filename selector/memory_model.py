@@ -28,19 +28,12 @@ What the peak holds, per program (bytes; letters as in `selector.problem`):
   local expert's float32 accumulator (the exchange's backward adds each slot into
   them) and one matrix's cast to the compute dtype on its way out. Not gathered, the
   gradients are the program's outputs, not temporaries.
-- activations: megablox gathered, the sorted rows (T k x M) and the two hidden
-  products (T k x H each) live during the first two matmuls, saved for the backward when
-  training; exchanged, a round's (G x B x M) buffers, as many as the compiler holds
-  (`Traits.exchange_row_buffers`: the send and receive buffers forward, and the
-  received rows beside their received cotangents training), one slot's hidden
-  products (2 x B x H) and, training, the tokens' input gradient the rounds add into
-  and the cotangent they read (`Traits.exchange_token_buffers` x T x M); dense,
-  every token's hidden products and outputs for every expert (T x E_c x (2H + M));
-  subgroup capacity, the expert inputs, hidden products and outputs
-  (G x E x C x (2M + 2H)), and its one-hot dispatch masks
-  (T x E x C) as many times as the compiler holds them (XLA:TPU fuses them into their
-  einsums; `Traits.capacity_masks_*`); the router's float32 probabilities (T x E) and the shared
-  experts' hidden products (T x 2 Hs) beside each.
+- activations: the arrays `selector.block_arrays` lists as live at the peak (its
+  table: the rows, hidden products and outputs of each dispatch, the exchange's round
+  buffers as many as the compiler holds, `Traits.exchange_row_buffers` and
+  `exchange_token_buffers`, the router's probabilities and the shared experts' products);
+  and the capacity path's one-hot dispatch masks (T x E x C) as many times as the
+  compiler holds them (XLA:TPU fuses them into their einsums; `Traits.capacity_masks_*`).
 
 XLA:CPU multiplies half-precision weights in float32 (bf16 weights are all-gathered and
 multiplied as f32, read in its compiled programs), so on `platform=cpu` the weights'
@@ -51,11 +44,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .block_arrays import block_arrays, held_bytes
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
-from .problem import DeviceProblem, buffer_rows, round_buffer_bytes
+from .problem import DeviceProblem, round_buffer_bytes
 from .traits import NEWEST_TESTED_JAX, traits
 
-ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
 ACCUMULATOR_BYTES = 4  # the exchange's weight-gradient accumulators are float32
 
 
@@ -134,13 +127,14 @@ def held_buffers(
         # formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
         # weight-sized buffers, the three gathered and one gradient).
         gradients *= compiler.gathered_gradients_held
-    activations = activation_bytes(
+    arrays = block_arrays(
         strategy,
         exchange,
         p,
         compiler.exchange_row_buffers[1 if p.train else 0],
         compiler.exchange_token_buffers if p.train else 0,
     )
+    activations = held_bytes(arrays)
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
     if compiler.gathered_forward_second_layout and gathered_forward:
         # jax 0.10's XLA:GPU forward of the gathered grouped matmul (tiled_gmm) holds a
@@ -171,32 +165,6 @@ def held_buffers(
             # a bare shared expert closes the window; behind its gate it does not
             heap = inside if window and (p.shared_gate or not p.Hs) else outside
     return HeldBuffers(weights, gradients, activations, masks, heap)
-
-
-def activation_bytes(
-    strategy: Dispatch,
-    exchange: Exchange,
-    p: DeviceProblem,
-    round_buffers: int = 2,
-    token_buffers: int = 0,
-) -> float:
-    """The activations a block's program holds at its peak (the module's docstring);
-    the exchange's `round_buffers` (G, B, M) and `token_buffers` (T, M) held at once."""
-    beside = p.T * 2 * p.Hs * p.xb  # the shared experts' hidden products
-    if strategy is Dispatch.mlp:
-        return p.T * 2 * p.H * p.xb + beside
-    beside += p.T * p.E * ROUTER_BYTES
-    if strategy is Dispatch.megablox and exchange is Exchange.all_to_all:
-        b = buffer_rows(p)
-        rounds = round_buffers * round_buffer_bytes(p)
-        return rounds + (token_buffers * p.T * p.M + 2 * b * p.H) * p.xb + beside
-    if strategy is Dispatch.megablox:
-        return p.T * p.k * (p.M + 2 * p.H) * p.xb + beside
-    if strategy is Dispatch.dense:
-        return p.T * p.E_c * (2 * p.H + p.M) * p.xb + beside
-    # subgroup_capacity: its one-hot masks are counted apart (`held_buffers`), as many
-    # as the compiler holds (XLA:TPU fuses them: 9.3 MiB for float32 masks of 640 MiB).
-    return p.G * p.E * p.C * (2 * p.M + 2 * p.H) * p.xb + beside
 
 
 def temp_bytes(held: HeldBuffers, platform: str) -> float:

@@ -13,7 +13,7 @@ import selector
 from checks import jax_start
 from checks import targets as compile_targets
 from layers import grouped_matmul
-from selector import targets, traits
+from selector import block_arrays, targets, traits
 
 
 def _public(package) -> dict:
@@ -35,6 +35,7 @@ PUBLIC = {
     **_public(layers),
     "selector.targets.Target": targets.Target,
     "selector.traits.traits": traits.traits,
+    "selector.block_arrays.block_arrays": block_arrays.block_arrays,
     "selector.traits.jax_release": traits.jax_release,
     "layers.gmm": grouped_matmul.gmm,
     "checks.jax_start.prepare_process": jax_start.prepare_process,

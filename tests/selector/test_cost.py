@@ -443,23 +443,25 @@ def test_shared_experts_weights_are_read_on_every_pass():
 def test_activations_written_counted_by_hand():
     """A plain MLP writes its two hidden products and their product (3 x hidden a token)
     and its output; a shared expert adds its three hidden products a token."""
-    from selector.cost import activation_traffic
+    from selector.block_arrays import block_arrays, written_bytes
 
     over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
     _, _, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
     xb = p.xb
-    assert activation_traffic(Dispatch.mlp, Exchange.gather, p) == p.T * (3 * 128 + 64) * xb
+    assert (
+        written_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p)) == p.T * (3 * 128 + 64) * xb
+    )
     # The capacity path's dispatched rows in and out (2 x emb) and hidden products
     # (3 x hidden) for every (group, expert, slot), the router's float32 probabilities
     # and the block's output.
     _, _, p = problem(*over)
     capacity = p.G * 8 * p.C * (2 * 64 + 3 * 128) * xb + p.T * 8 * 4 + p.T * 64 * xb
-    assert activation_traffic(Dispatch.subgroup_capacity, Exchange.gather, p) == capacity
+    assert written_bytes(block_arrays(Dispatch.subgroup_capacity, Exchange.gather, p)) == capacity
     _, _, p = problem(*over, "shared_experts=1")
     _, _, p0 = problem(*over)
     for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
-        added = activation_traffic(strategy, Exchange.gather, p) - activation_traffic(
-            strategy, Exchange.gather, p0
+        added = written_bytes(block_arrays(strategy, Exchange.gather, p)) - written_bytes(
+            block_arrays(strategy, Exchange.gather, p0)
         )
         assert added == p.T * 3 * 128 * xb, strategy
 
@@ -536,3 +538,21 @@ def test_two_experts_unsplit_are_relaid_for_their_gather_on_a_gpu():
     )
     assert plan.mesh.product(plan.placement.experts_axes) == 1
     assert relaid_for_gather(p, plan.mesh, plan.placement)
+
+
+def test_pallas_kernels_replace_the_grouped_rows_traffic_with_their_tile_plan():
+    """Under the Pallas kernels a megablox step's HBM bytes are the rest of the traffic
+    plus the kernels' own count at the chosen row tile: the grouped matmul's rows (in,
+    two hidden products, their product, out: T k (2 emb + 3 hidden) a pass, written and
+    read once more) and the routed weights read leave the sum."""
+    from selector.cost import memory_bytes, routed_weights_read
+
+    over = ("hardware=v5p", "gmm_backend=pallas_megablox", "dispatch=megablox")
+    cfg, plan, p = problem(*over, "ici_fsdp_parallelism=8", "ici_data_parallelism=1")
+    est = plan.chosen_estimate
+    option = next(o for o in p.tile_options if o.tm == p.tile)
+    grouped = p.T * p.k * (2 * 64 + 3 * 128) * p.xb
+    routed = 2 * grouped * p.passes + routed_weights_read(Dispatch.megablox, p)
+    want = est.traffic.hbm - routed + option.hbm_bytes
+    assert memory_bytes(Dispatch.megablox, p, est.traffic) == pytest.approx(want, rel=1e-12)
+    assert est.work.memory_bytes == pytest.approx(want, rel=1e-12)

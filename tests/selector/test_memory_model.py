@@ -234,18 +234,18 @@ def test_dense_and_capacity_activations_counted_by_hand():
     device: dense holds every expert's (tokens, 2 hidden + emb) products; the capacity
     path its (subgroups, experts, capacity) buffers of 2 emb + 2 hidden; both the float32
     router probabilities (tokens, experts)."""
+    from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
-    from selector.memory_model import activation_bytes
 
     over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
     _, p = _tiny_held(*over)
     assert (p.T, p.E, p.E_c, p.xb) == (512, 8, 8, 4)
     router = 512 * 8 * 4
-    dense = activation_bytes(Dispatch.dense, Exchange.gather, p)
+    dense = held_bytes(block_arrays(Dispatch.dense, Exchange.gather, p))
     assert dense == 512 * 8 * (2 * 128 + 64) * 4 + router
     _, q = _tiny_held(*over, "dispatch=subgroup_capacity", "capacity_factor=1.0")
     assert (q.G, q.C) == (1, 128)  # one 512-token subgroup, capacity 512 x 2 / 8
-    capacity = activation_bytes(Dispatch.subgroup_capacity, Exchange.gather, q)
+    capacity = held_bytes(block_arrays(Dispatch.subgroup_capacity, Exchange.gather, q))
     assert capacity == 1 * 8 * 128 * (2 * 64 + 2 * 128) * 4 + router
 
 
@@ -283,8 +283,8 @@ def test_shared_experts_follow_their_own_split_not_the_routed_experts():
 def test_one_plain_mlp_holds_its_hidden_products_and_the_shared_experts():
     """One expert runs a plain SwiGLU: its weights, its two (tokens, hidden) products
     and the shared expert's two beside them; no router."""
+    from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
-    from selector.memory_model import activation_bytes
 
     h, p = _tiny_held(
         "ici_fsdp_parallelism=8",
@@ -295,24 +295,24 @@ def test_one_plain_mlp_holds_its_hidden_products_and_the_shared_experts():
         "shared_experts=1",
     )
     assert (p.T, p.H, p.Hs, p.xb) == (512, 128, 128, 4)
-    assert activation_bytes(Dispatch.mlp, Exchange.gather, p) == 512 * 2 * (128 + 128) * 4
+    assert held_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p)) == 512 * 2 * (128 + 128) * 4
     assert h.weights == 2 * 3 * 64 * 128 * 4  # the expert and the shared one, gathered
 
 
 def test_routed_dispatch_holds_the_shared_products_beside_the_router():
     """A routed dispatch with a shared expert: the shared (tokens, 2 hidden) products and
     the float32 router probabilities, both beside the rows."""
+    from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
-    from selector.memory_model import activation_bytes
 
     over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
     _, p0 = _tiny_held(*over)
     _, p1 = _tiny_held(*over, "shared_experts=1")
     for strategy in (Dispatch.dense, Dispatch.megablox):
-        without = activation_bytes(strategy, Exchange.gather, p0)
-        with_shared = activation_bytes(strategy, Exchange.gather, p1)
+        without = held_bytes(block_arrays(strategy, Exchange.gather, p0))
+        with_shared = held_bytes(block_arrays(strategy, Exchange.gather, p1))
         assert with_shared - without == 512 * 2 * 128 * 4
-    assert activation_bytes(Dispatch.dense, Exchange.gather, p0) > 512 * 8 * 4  # the router
+    assert held_bytes(block_arrays(Dispatch.dense, Exchange.gather, p0)) > 512 * 8 * 4  # the router
 
 
 @pytest.mark.parametrize(
