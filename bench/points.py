@@ -105,7 +105,7 @@ def predicted(point: Point) -> dict:
 def predicted_from(cfg, plan) -> dict:
     """`predicted` for a point's typed config and plan, already made."""
     est = plan.chosen_estimate
-    shape = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    shape = problem_shape(cfg, plan.mesh, plan.placement)
     return {
         "name": est.name,
         "key": program_key(plan.strategy, plan.placement.exchange, cfg),

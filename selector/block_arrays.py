@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import Dispatch, Exchange
-from .problem import DeviceProblem, buffer_rows
+from .problem import Problem, buffer_rows
 
 ROUTER_BYTES = 4  # router logits and probabilities are float32 whatever the dtype
 
@@ -41,7 +41,7 @@ class BlockArray:
 def block_arrays(
     strategy: Dispatch,
     exchange: Exchange,
-    p: DeviceProblem,
+    p: Problem,
     round_buffers: int = 2,
     token_buffers: int = 0,
 ) -> tuple[BlockArray, ...]:
@@ -60,8 +60,8 @@ def block_arrays(
 
       >>> from selector.block_arrays import block_arrays, held_bytes, written_bytes
       >>> from selector.config import Dispatch, Exchange
-      >>> from selector.problem import DeviceProblem
-      >>> p = DeviceProblem(T=4, G=1, S=4, E=2, k=1, C=2, M=8, H=16, Hs=0, E_c=2, group=1,
+      >>> from selector.problem import Problem
+      >>> p = Problem(T=4, G=1, S=4, E=2, k=1, C=2, M=8, H=16, Hs=0, E_c=2, group=1,
       ...     gathered=1, rest_shards=1, gate_shards=1, replicas=1, xb=2, pb=4, passes=1,
       ...     tile=8, gmm_dense=False, buffer_factor=1.0, ragged=False, train=False)
       >>> arrays = block_arrays(Dispatch.megablox, Exchange.gather, p)

@@ -43,11 +43,10 @@ from .memory_model import (
     routed_weight_elements,
     temp_bytes,
 )
-from .mesh import MeshView
 from .placement import WeightPlacement
 from .plan_sizes import GmmTiling
 from .problem import (
-    DeviceProblem,
+    Problem,
     buffer_rows,
     exchange_split,
     link_split,
@@ -202,7 +201,7 @@ class Estimate:
         return d
 
 
-def expected_rounds(p: DeviceProblem, num_devices: int) -> int:
+def expected_rounds(p: Problem, num_devices: int) -> int:
     """Exchange rounds under uniform routing: the most rows any device sends any owner
     (mean T k / G, binomial spread, the largest of every device-owner pair) over B."""
     if p.group <= 1:
@@ -213,27 +212,27 @@ def expected_rounds(p: DeviceProblem, num_devices: int) -> int:
     return max(1, math.ceil((mean + z * sigma) / buffer_rows(p) - 1e-9))
 
 
-def routed_rest_bytes(p: DeviceProblem) -> float:
+def routed_rest_bytes(p: Problem) -> float:
     """The routed experts' three matrices one device holds at rest (param_dtype). p.H is
     the hidden width a device computes; rest_shards counts the hidden split too."""
     return 3 * p.E * p.M * p.H * p.hidden_shards * p.pb / p.rest_shards
 
 
-def weight_rest_bytes(p: DeviceProblem) -> float:
+def weight_rest_bytes(p: Problem) -> float:
     """Expert weights (routed and shared) and router kernel one device holds at rest
     (param_dtype); the shared experts rest split over the embed and hidden axes."""
     shared = 3 * p.M * p.Hs * p.pb / p.gate_shards
     return routed_rest_bytes(p) + shared + p.M * p.E * p.pb / p.gate_shards
 
 
-def block_memory(p: DeviceProblem, weights_rest: float, temp: float) -> Memory:
+def block_memory(p: Problem, weights_rest: float, temp: float) -> Memory:
     """The block's program by XLA's categories, around its (counted) temporaries."""
     x = p.T * p.M * p.xb
     outputs = weights_rest + x if p.train else x
     return Memory(arguments=weights_rest + x, outputs=outputs, temp=temp)
 
 
-def routed_weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
+def routed_weights_read(strategy: Dispatch, p: Problem) -> float:
     """Routed-expert weight bytes one step reads from HBM: every expert for dense; for
     the routed paths only the experts that receive a row (expected, uniform routing)."""
     per_expert = 3 * p.M * p.H * p.xb
@@ -247,13 +246,13 @@ def routed_weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
     return hit * per_expert * p.passes
 
 
-def weights_read(strategy: Dispatch, p: DeviceProblem) -> float:
+def weights_read(strategy: Dispatch, p: Problem) -> float:
     """Expert-weight bytes one step reads from HBM: the routed experts' and the shared
     experts' (every pass)."""
     return routed_weights_read(strategy, p) + 3 * p.M * p.Hs * p.xb * p.passes
 
 
-def memory_bytes(strategy: Dispatch, p: DeviceProblem, moved: Traffic) -> float:
+def memory_bytes(strategy: Dispatch, p: Problem, moved: Traffic) -> float:
     """HBM bytes a step moves. Under the Pallas kernels the grouped matmul's share is
     the kernels' own count of what their grids move at the chosen row tile (rows and
     weight blocks fetched again for every tile that needs them, `selector.tiles`),
@@ -270,7 +269,7 @@ def memory_bytes(strategy: Dispatch, p: DeviceProblem, moved: Traffic) -> float:
 def traffic(
     strategy: Dispatch,
     exchange: Exchange,
-    p: DeviceProblem,
+    p: Problem,
     memory: Memory,
     rounds: int,
     activations,
@@ -307,7 +306,7 @@ def traffic(
     return Traffic(hbm, sum(gather), sum(moved), sum(grad), sum(tensor), dcn)
 
 
-def state_bytes(p: DeviceProblem, weights_rest: float) -> float:
+def state_bytes(p: Problem, weights_rest: float) -> float:
     """Weights, gradients and optimizer state of every MoE layer, at rest, per device."""
     per_layer = weights_rest
     if p.train:
@@ -319,17 +318,16 @@ def state_bytes(p: DeviceProblem, weights_rest: float) -> float:
 def estimate(
     strategy: Dispatch,
     place: WeightPlacement,
-    base: DeviceProblem,
-    mesh: MeshView,
+    base: Problem,
     outside: StepOutside,
 ) -> Estimate:
     """One candidate's counted memory and time: `strategy` with its weights at `place`;
     `base`: the config's problem (`problem.config_problem`) and `outside`: the step's
     bytes outside the MoE blocks (`step_outside`), both the same for every candidate of
     the config."""
-    p = placed(base, mesh, place)
+    p = placed(base, place)
     rest = weight_rest_bytes(p)
-    rounds = expected_rounds(p, mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
+    rounds = expected_rounds(p, p.mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
     hw = p.hardware
     held = held_buffers(strategy, place.exchange, p, hw.platform, p.release)
     memory = block_memory(p, rest, temp_bytes(held, hw.platform))
@@ -339,7 +337,7 @@ def estimate(
     parts = price(work, hw)
     state = state_bytes(p, rest)
     layers = p.moe_layers
-    relaid = routed_rest_bytes(p) if relaid_for_gather(p, mesh, place) else 0.0
+    relaid = routed_rest_bytes(p) if relaid_for_gather(p, place) else 0.0
     step = step_memory(outside, state, rest * layers, relaid * layers)
     est = Estimate(
         strategy=strategy,
@@ -362,7 +360,7 @@ def estimate(
     return with_memory(est, memory, hw)
 
 
-def relaid_for_gather(p: DeviceProblem, mesh: MeshView, place: WeightPlacement) -> bool:
+def relaid_for_gather(p: Problem, place: WeightPlacement) -> bool:
     """Whether XLA:GPU holds the routed experts' stacked matrices once more, laid out for
     their all-gather. Its all-gather works on an array's leading dimension, and an expert
     matrix (E, emb, hidden) or (E, hidden, emb) gathered over emb while more than one
@@ -376,9 +374,9 @@ def relaid_for_gather(p: DeviceProblem, mesh: MeshView, place: WeightPlacement) 
     Read in training steps only: serving programs are counted without the copy."""
     if not traits(p.hardware.platform).hoists_f32_expert_stacks or not p.train:
         return False
-    if mesh.product(place.embed_axes) <= 1:
+    if p.embed_gathered <= 1:
         return False
-    return p.E // max(mesh.product(place.experts_axes), 1) > 1
+    return p.E // max(p.mesh.product(place.experts_axes), 1) > 1
 
 
 def with_memory(est: Estimate, memory: Memory, hw: Hardware) -> Estimate:
@@ -405,7 +403,7 @@ __all__ = [
     "Estimate",
     "HeldBuffers",
     "Memory",
-    "DeviceProblem",
+    "Problem",
     "Traffic",
     "estimate",
     "held_buffers",

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from .block_arrays import block_arrays, held_bytes
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
-from .problem import DeviceProblem, round_buffer_bytes
+from .problem import Problem, round_buffer_bytes
 from .traits import NEWEST_TESTED_JAX, traits
 
 ACCUMULATOR_BYTES = 4  # the exchange's weight-gradient accumulators are float32
@@ -77,7 +77,7 @@ def weight_copy_bytes(platform: str, compute_bytes: int) -> int:
     return 4 if traits(platform).weight_copy_in_f32 else compute_bytes
 
 
-def has_weight_copy(p: DeviceProblem, platform: str, gathered: int | None = None) -> bool:
+def has_weight_copy(p: Problem, platform: str, gathered: int | None = None) -> bool:
     """Whether the matmuls read a copy of the weights rather than the arguments: gathered
     (from `gathered` devices; the routed experts' `p.gathered` unless given), or
     converted where the compiler keeps the conversion apart (XLA:CPU's float32 copy;
@@ -90,7 +90,7 @@ def has_weight_copy(p: DeviceProblem, platform: str, gathered: int | None = None
     return p.pb != p.xb and not traits(platform).fuses_weight_cast
 
 
-def routed_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
+def routed_weight_elements(strategy: Dispatch, p: Problem) -> float:
     """Elements of the routed experts' weights a device multiplies with."""
     experts = 1 if strategy is Dispatch.mlp else p.E_c
     return experts * 3 * p.M * p.H
@@ -99,7 +99,7 @@ def routed_weight_elements(strategy: Dispatch, p: DeviceProblem) -> float:
 def held_buffers(
     strategy: Dispatch,
     exchange: Exchange,
-    p: DeviceProblem,
+    p: Problem,
     platform: str,
     release: tuple[int, int] = NEWEST_TESTED_JAX,
 ) -> HeldBuffers:

@@ -12,7 +12,7 @@ from .config import Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
 from .findings import Finding, Fix, Severity, errors_in, ranked_fixes, warning
 from .mesh import MeshView, build_mesh_view
-from .per_device import PerDevice, per_device
+from .per_device import PerDevice
 from .placement import WeightPlacement, describe
 from .policy import best_group, candidate_placements, choose, exchange_backend
 from .problem import config_problem
@@ -379,15 +379,17 @@ def _analyse(
     if mesh is None or errors_in(findings):
         return None, findings  # later stages divide by what these checks guard
 
-    dev = per_device(cfg, mesh)
+    # Once per config: the problem (the mesh, a device's batch, the block's letters)
+    # and the step outside the MoE blocks.
+    base = config_problem(cfg, mesh)
+    dev = base.per_device
     for rule in (*rules.LAYOUT_RULES, *rules.MODEL_LAYOUT_RULES):
         findings += rule(cfg, mesh, dev)
 
     options = candidate_placements(cfg, mesh)
-    # Once per config: the step outside the MoE blocks, and the block's problem.
-    outside, base = step_outside(cfg, mesh, dev), config_problem(cfg, mesh, dev)
+    outside = step_outside(cfg, mesh, dev)
     weighed = {
-        k: tuple((place, estimate(k[0], place, base, mesh, outside)) for place in places)
+        k: tuple((place, estimate(k[0], place, base, outside)) for place in places)
         for k, places in options.items()
     }
     placements, estimates = {}, {}

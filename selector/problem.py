@@ -1,5 +1,6 @@
-"""The per-device problem in the letters the kernels use, as the cost model sees it:
-sizes, dtypes, how the weights are split, and the rows each expert FFN processes."""
+"""The problem one analysis prices, made once per config: the mesh as the selector sees
+it, the batch a device holds, and the MoE block in the letters the kernels use (sizes,
+dtypes, how the weights are split, and the rows each expert FFN processes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange, GmmBackend, Hardware, Mode
 from .mesh import MeshView
-from .per_device import PerDevice
+from .per_device import PerDevice, per_device
 from .placement import WeightPlacement
 from .plan_sizes import GmmTiling, exchange_buffer_rows, shared_width
 from .tiles import exchanged_calls, gathered_calls, kernel_rows, routed_rows
@@ -35,8 +36,16 @@ def gmm_backend(cfg: Config) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceProblem:
-    """The per-device problem in the letters the kernels use."""
+class Problem:
+    """The problem one analysis prices: config and mesh in (`config_problem`), one
+    frozen value out, placed per candidate (`placed`).
+
+    Attributes:
+      mesh: the mesh as the selector sees it (axis sizes and roles).
+      per_device: the batch and tokens one device holds (MaxText's batch rule).
+      T, G, S, E, k, C, M, H, ...: the MoE block on one device, in the letters the
+        kernels use (each commented below).
+    """
 
     T: float  # tokens per device
     G: float  # subgroups per device (sequences x sequence shards held)
@@ -90,20 +99,23 @@ class DeviceProblem:
     row_tile_asked: int = 0
     hardware: Hardware | None = dataclasses.field(default=None, repr=False)
     release: tuple[int, int] = (0, 0)
+    mesh: MeshView | None = dataclasses.field(default=None, repr=False)
+    per_device: PerDevice | None = dataclasses.field(default=None, repr=False)
 
 
-def config_problem(cfg: Config, mesh: MeshView, dev: PerDevice) -> DeviceProblem:
-    """The problem as the config sets it, the same for every candidate (its expert
-    weights not yet placed: `placed` splits them); made once per config."""
-    cap = dev.capacity_per_subgroup
-    if cap is None:  # a dropless run priced on the capacity path: the factor-1 capacity
-        cap = max(1, math.ceil(dev.expected_tokens_per_expert))
+def config_problem(cfg: Config, mesh: MeshView) -> Problem:
+    """The problem as the config sets it on `mesh`, the same for every candidate (its
+    expert weights not yet placed: `placed` splits them); made once per config."""
     hw = cfg.hardware
     release = jax_release(hw.jax_version)
     compiler, kernel = traits(hw.platform, release), gmm_backend(cfg)
+    dev = per_device(cfg, mesh)
+    cap = dev.capacity_per_subgroup
+    if cap is None:  # a dropless run priced on the capacity path: the factor-1 capacity
+        cap = max(1, math.ceil(dev.expected_tokens_per_expert))
     shared = shared_width(cfg.shared_experts, cfg.base_moe_mlp_dim, cfg.shared_expert_gate)
     train = cfg.mode is Mode.train
-    return DeviceProblem(
+    return Problem(
         T=dev.tokens_per_device,
         G=dev.tokens_per_device / max(dev.sub_seq, 1e-9),
         S=dev.sub_seq,
@@ -139,13 +151,16 @@ def config_problem(cfg: Config, mesh: MeshView, dev: PerDevice) -> DeviceProblem
         row_tile_asked=cfg.gmm_row_tile,
         hardware=hw,
         release=release,
+        mesh=mesh,
+        per_device=dev,
     )
 
 
-def placed(base: DeviceProblem, mesh: MeshView, place: WeightPlacement) -> DeviceProblem:
+def placed(base: Problem, place: WeightPlacement) -> Problem:
     """`base` (`config_problem`) with its expert weights at `place`: how they are split
     at rest, gathered or exchanged, and the grouped matmul's tile for the rows that
     follow."""
+    mesh = base.mesh
     exchanged = place.exchange is Exchange.all_to_all
     group = mesh.product(place.group_axes) if exchanged else 1
     rest_axes = place.experts_axes + place.embed_axes + place.hidden_axes
@@ -175,14 +190,12 @@ def placed(base: DeviceProblem, mesh: MeshView, place: WeightPlacement) -> Devic
     return with_tiling(p)
 
 
-def problem_shape(
-    cfg: Config, mesh: MeshView, dev: PerDevice, place: WeightPlacement
-) -> DeviceProblem:
-    """One candidate's problem from the config: `placed(config_problem(...), ...)`."""
-    return placed(config_problem(cfg, mesh, dev), mesh, place)
+def problem_shape(cfg: Config, mesh: MeshView, place: WeightPlacement) -> Problem:
+    """One candidate's problem from the config: `placed(config_problem(...), place)`."""
+    return placed(config_problem(cfg, mesh), place)
 
 
-def with_tiling(p: DeviceProblem) -> DeviceProblem:
+def with_tiling(p: Problem) -> Problem:
     """`p` with the grouped matmul's row tile chosen for its rows (selector.tiling):
     the Pallas kernels' `tm` becomes `p.tile`, which the rows are counted at."""
     shape = TileShape(
@@ -226,12 +239,12 @@ def exchange_split(rows_bytes: float, group: int, slices: int) -> tuple[float, f
     return ici, dcn
 
 
-def buffer_rows(p: DeviceProblem) -> float:
+def buffer_rows(p: Problem) -> float:
     """B for the per-device problem (routed rows T x k over the expert group)."""
     return exchange_buffer_rows(p.T * p.k, p.group, p.buffer_factor)
 
 
-def round_buffer_bytes(p: DeviceProblem) -> float:
+def round_buffer_bytes(p: Problem) -> float:
     """Bytes of one of the exchange's (G, B, M) round buffers in the compute dtype."""
     return p.group * buffer_rows(p) * p.M * p.xb
 
@@ -252,7 +265,7 @@ def kernel_rows_uniform(
     return kernel_rows(kernel, calls, tm, expected=True)
 
 
-def rows(strategy: Dispatch, p: DeviceProblem) -> float:
+def rows(strategy: Dispatch, p: Problem) -> float:
     """Rows each expert matmul computes per device, summed over experts, padding
     included (the grouped matmuls' tiles, counted from their tile plans)."""
     if strategy is Dispatch.mlp:

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 
 from .config import Dispatch, Exchange, Hardware
 from .memory_model import routed_weight_elements
-from .problem import DeviceProblem, buffer_rows
+from .problem import Problem, buffer_rows
 from .tiles import exchanged_calls, gathered_calls, routed_rows, tiled_gmm_visits
 
 # Ops XLA:CPU's compiled block issues besides its dots, read in its HLO (ops of the entry
@@ -268,7 +268,7 @@ class _Loops:
     calls: tuple[tuple[float, float], ...] = ()  # Work.gmm_calls
 
 
-def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
+def _gmm_loops(kernel: str, calls, p: Problem, exchanged: bool) -> _Loops:
     """Tile visits of one pass of the grouped matmul over `calls`, and (tiled_gmm) the
     ops and trips of all its passes in the step: forward (a call with two weights, one
     with one), and training's input gradients (the same) and three weight gradients;
@@ -315,7 +315,7 @@ def _gmm_loops(kernel: str, calls, p: DeviceProblem, exchanged: bool) -> _Loops:
     )
 
 
-def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> dict[str, int]:
+def _dots_per_visit(p: Problem, exchanged: bool) -> dict[str, int]:
     """Dots a tile visit does over the step, by tiled_gmm's pass: 3 forward (gate, up
     and out); training adds 3 input gradients and 3 weight gradients, and the
     exchange's backward recomputes gate and up first (2 more forward)."""
@@ -324,7 +324,7 @@ def _dots_per_visit(p: DeviceProblem, exchanged: bool) -> dict[str, int]:
     return {"tile": 5 if exchanged else 3, "tile_input_grad": 3, "tile_weight_grad": 3}
 
 
-def _ffn_dots(kind: str, rows: float, p: DeviceProblem, dots: float) -> tuple[str, float, float]:
+def _ffn_dots(kind: str, rows: float, p: Problem, dots: float) -> tuple[str, float, float]:
     """`dots` dots of `rows` rows through one expert matrix (2 rows M H FLOPs each)."""
     return (kind, 2 * rows * p.M * p.H, dots)
 
@@ -332,7 +332,7 @@ def _ffn_dots(kind: str, rows: float, p: DeviceProblem, dots: float) -> tuple[st
 def count_work(
     strategy: Dispatch,
     exchange: Exchange,
-    p: DeviceProblem,
+    p: Problem,
     traffic,
     rounds: int,
     memory_bytes: float,

@@ -22,7 +22,7 @@ def problem(*overrides: str):
 
     cfg = typed(*overrides)
     plan = selector.resolve(cfg)
-    return cfg, plan, problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    return cfg, plan, problem_shape(cfg, plan.mesh, plan.placement)
 
 
 def routed_findings(base, over) -> list:

@@ -98,7 +98,7 @@ def worker(chip: str, index: int) -> None:
     )
     m = measure(block)
     cfg, plan = planned(block)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    p = problem_shape(cfg, plan.mesh, plan.placement)
     elements = int(p.T * p.E * p.C)  # one device's (tokens, E, C) mask, C as planned
     f32, bf16 = slots(os.environ["CAPACITY_DUMP"], elements)
     row = {

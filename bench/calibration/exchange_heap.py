@@ -186,7 +186,7 @@ def worker(chip: str, index: int) -> None:
     point = CHIPS[chip][index]
     cfg = selector.compose(overrides(point))
     plan = selector.resolve(cfg)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    p = problem_shape(cfg, plan.mesh, plan.placement)
     _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, plan.mesh.num_devices))
     temp = program.memory_analysis().temp_size_in_bytes
     dump = Path(os.environ["EXCHANGE_HEAP_DUMP"])

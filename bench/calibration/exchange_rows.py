@@ -96,7 +96,7 @@ def worker(chip: str, index: int) -> None:
     point = POINTS[chip][index]
     cfg = selector.compose(overrides(chip, point))
     plan = selector.resolve(cfg)
-    p = problem_shape(cfg, plan.mesh, plan.per_device, plan.placement)
+    p = problem_shape(cfg, plan.mesh, plan.placement)
     round_bytes = int(round_buffer_bytes(p))
     _, program, _, _ = compile_plan(cfg, plan, targets.Target(chip, point[0]))
     temp = program.memory_analysis().temp_size_in_bytes

@@ -537,7 +537,7 @@ def test_two_experts_unsplit_are_relaid_for_their_gather_on_a_gpu():
         "expert_exchange=gather",
     )
     assert plan.mesh.product(plan.placement.experts_axes) == 1
-    assert relaid_for_gather(p, plan.mesh, plan.placement)
+    assert relaid_for_gather(p, plan.placement)
 
 
 def test_pallas_kernels_replace_the_grouped_rows_traffic_with_their_tile_plan():
