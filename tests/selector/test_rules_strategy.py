@@ -85,3 +85,42 @@ def test_the_memory_messages_quote_the_estimate_in_gib():
     assert _gib(hit.message, "estimated at") == [float(f"{held:.3g}")]
     low, high = _gib(hit.message, "a device holds")
     assert low < held < high < 2 * held
+
+
+@pytest.mark.parametrize("rounding, least", [("ours", 1.7), ("maxtext", 1.85)])
+def test_the_drops_fix_is_the_least_factor_that_clears_them_under_the_rounding_asked(
+    rounding, least
+):
+    """tiny (8 experts, k 2), one 24-token subgroup at capacity_factor=1: uniform routing
+    drops too much. The fix offered is the least factor (in steps of 0.05) whose
+    capacity, rounded the way the config rounds it, clears the warning: MaxText 0.2.5's
+    truncating rule needs more than ours."""
+    over = ["capacity_factor=1", "max_target_length=24", "dispatch=subgroup_capacity"]
+    over.append(f"capacity_rounding={rounding}")
+
+    def drops(*extra):
+        _, found = analyse(typed(*over, *extra))
+        return [f for f in found if f.code == "DROPS_LIKELY"]
+
+    (warned,) = drops()
+    (offered,) = [dict(x.overrides) for x in warned.fixes if len(x.overrides) == 1]
+    assert offered["capacity_factor"] == pytest.approx(least)
+    assert drops(f"capacity_factor={least}") == []
+    assert drops(f"capacity_factor={least - 0.05:.2f}") != []
+
+
+def test_a_gather_asked_for_is_offered_the_exchange_with_fsdp_in_the_expert_group():
+    """Qwen3-30B-A3B on 16 H100s (fsdp 4 x context 4), 8,192 tokens a device, the experts
+    gathered as asked: the step is within the margin of the chip. Exchanging them over
+    the expert group with fsdp folded in is offered (both keys: the group alone leaves
+    the gather asked for), and with it the step leaves the margin."""
+    over = ["model=qwen3_30b_a3b", "num_devices=16", "hardware=h100", "ici_fsdp_parallelism=4"]
+    over += ["ici_context_parallelism=4", "per_device_batch_size=0.25"]
+    over += ["max_target_length=32768", "param_dtype=bfloat16", "expert_exchange=gather"]
+    _, found = analyse(selector.to_config(selector.compose(over)))
+    (memory,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
+    folded = "expert_exchange=all_to_all expert_group=expert_sequence_and_fsdp"
+    assert folded in [x.render() for x in memory.fixes]
+    plan, after = analyse(selector.to_config(selector.compose([*over, *folded.split()])))
+    assert not [f for f in after if f.code.startswith("MEMORY")]
+    assert plan.chosen_estimate.name == "megablox/all_to_all"
