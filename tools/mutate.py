@@ -98,10 +98,11 @@ PARTS = {
         "modules": ("selector/timing.py",),
         "tests": ("tests/selector/test_timing.py", "tests/selector/test_cost.py"),
     },
-    # The counted memory model against its own tests and the cost model's (a survivor
-    # costs about 20 s here, against 95 s in the selector part's whole selection).
+    # The counted memory model and the dispatches' arrays it and the traffic sum, against
+    # their own tests and the cost model's (a survivor costs about 20 s here, against
+    # 95 s in the selector part's whole selection).
     "memory": {
-        "modules": ("selector/memory_model.py",),
+        "modules": ("selector/memory_model.py", "selector/block_arrays.py"),
         "tests": ("tests/selector/test_memory_model.py", "tests/selector/test_cost.py"),
     },
     # The auto policy (which candidate wins, and why) against the decisions, the report's
