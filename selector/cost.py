@@ -261,7 +261,8 @@ def memory_bytes(strategy: Dispatch, p: Problem, moved: Traffic) -> float:
     option = next((o for o in p.tile_options if o.tm == p.tile), None)
     if strategy is not Dispatch.megablox or p.kernel != "pallas_megablox" or option is None:
         return moved.hbm
-    grouped = (a for a in block_arrays(strategy, Exchange.gather, p) if a.grouped)
+    arrays = block_arrays(strategy, Exchange.gather, p, traits(p.hardware.platform, p.release))
+    grouped = (a for a in arrays if a.grouped)
     routed = 2 * written_bytes(grouped) * p.passes + routed_weights_read(strategy, p)
     return moved.hbm - routed + option.hbm_bytes
 
@@ -331,7 +332,9 @@ def estimate(
     hw = p.hardware
     held = held_buffers(strategy, place.exchange, p, hw.platform, p.release)
     memory = block_memory(p, rest, temp_bytes(held, hw.platform))
-    written = written_bytes(block_arrays(strategy, place.exchange, p))
+    written = written_bytes(
+        block_arrays(strategy, place.exchange, p, traits(hw.platform, p.release))
+    )
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
     work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
     parts = price(work, hw)

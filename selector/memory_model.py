@@ -127,14 +127,7 @@ def held_buffers(
         # formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
         # weight-sized buffers, the three gathered and one gradient).
         gradients *= compiler.gathered_gradients_held
-    arrays = block_arrays(
-        strategy,
-        exchange,
-        p,
-        compiler.exchange_row_buffers[1 if p.train else 0],
-        compiler.exchange_token_buffers if p.train else 0,
-    )
-    activations = held_bytes(arrays)
+    activations = held_bytes(block_arrays(strategy, exchange, p, compiler))
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
     if compiler.gathered_forward_second_layout and gathered_forward:
         # jax 0.10's XLA:GPU forward of the gathered grouped matmul (tiled_gmm) holds a

@@ -1,6 +1,7 @@
 """The cost model's traffic and time terms: each collective's bytes, split between the
 links it crosses (ICI within a slice, DCN across slices), priced at that link's speed."""
 
+import dataclasses
 import math
 
 import pytest
@@ -444,25 +445,34 @@ def test_activations_written_counted_by_hand():
     """A plain MLP writes its two hidden products and their product (3 x hidden a token)
     and its output; a shared expert adds its three hidden products a token."""
     from selector.block_arrays import block_arrays, written_bytes
+    from selector.traits import traits
 
     over = ("ici_fsdp_parallelism=8", "ici_data_parallelism=1")
     _, _, p = problem(*over, "dispatch=mlp", "num_experts=1", "num_experts_per_tok=1")
     xb = p.xb
     assert (
-        written_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p)) == p.T * (3 * 128 + 64) * xb
+        written_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p, traits(p.hardware.platform)))
+        == p.T * (3 * 128 + 64) * xb
     )
     # The capacity path's dispatched rows in and out (2 x emb) and hidden products
     # (3 x hidden) for every (group, expert, slot), the router's float32 probabilities
     # and the block's output.
     _, _, p = problem(*over)
     capacity = p.G * 8 * p.C * (2 * 64 + 3 * 128) * xb + p.T * 8 * 4 + p.T * 64 * xb
-    assert written_bytes(block_arrays(Dispatch.subgroup_capacity, Exchange.gather, p)) == capacity
+    assert (
+        written_bytes(
+            block_arrays(
+                Dispatch.subgroup_capacity, Exchange.gather, p, traits(p.hardware.platform)
+            )
+        )
+        == capacity
+    )
     _, _, p = problem(*over, "shared_experts=1")
     _, _, p0 = problem(*over)
     for strategy in (Dispatch.megablox, Dispatch.dense, Dispatch.subgroup_capacity):
-        added = written_bytes(block_arrays(strategy, Exchange.gather, p)) - written_bytes(
-            block_arrays(strategy, Exchange.gather, p0)
-        )
+        added = written_bytes(
+            block_arrays(strategy, Exchange.gather, p, traits(p.hardware.platform))
+        ) - written_bytes(block_arrays(strategy, Exchange.gather, p0, traits(p0.hardware.platform)))
         assert added == p.T * 3 * 128 * xb, strategy
 
 
@@ -556,3 +566,28 @@ def test_pallas_kernels_replace_the_grouped_rows_traffic_with_their_tile_plan():
     want = est.traffic.hbm - routed + option.hbm_bytes
     assert memory_bytes(Dispatch.megablox, p, est.traffic) == pytest.approx(want, rel=1e-12)
     assert est.work.memory_bytes == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_exchanged_arrays_counted_by_hand(train):
+    """The exchanged grouped matmul over an expert group of 4 (tiny: emb 64, hidden 128,
+    8 experts, k 2, float32). Written over the pass: the routed rows in and out, their
+    hidden products and product (T k (2 emb + 3 hidden)), the round buffers sent and
+    received (2 T k emb), the router's float32 probabilities and the block's output.
+    Held at the peak: as many (G, B, emb) round buffers as XLA:TPU holds (2 serving, 3
+    training), one slot's hidden products (2 B hidden), the router's probabilities, and
+    training the two (T, emb) token buffers of its backward."""
+    from selector.block_arrays import block_arrays, held_bytes, written_bytes
+    from selector.problem import buffer_rows
+    from selector.traits import traits
+
+    p = _exchanged_problem()
+    p = dataclasses.replace(p, train=train)
+    assert (p.M, p.H, p.E, p.k, p.group, p.xb) == (64, 128, 8, 2, 4, 4)
+    arrays = block_arrays(Dispatch.megablox, Exchange.all_to_all, p, traits("tpu"))
+    T, b = p.T, buffer_rows(p)
+    router, out = T * 8 * 4, T * 64 * 4
+    rows = T * 2 * (2 * 64 + 3 * 128) * 4 + 2 * T * 2 * 64 * 4
+    assert written_bytes(arrays) == rows + router + out
+    rounds, tokens = (3, 2 * T * 64 * 4) if train else (2, 0)
+    assert held_bytes(arrays) == rounds * 4 * b * 64 * 4 + 2 * b * 128 * 4 + router + tokens

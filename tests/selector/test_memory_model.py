@@ -236,16 +236,21 @@ def test_dense_and_capacity_activations_counted_by_hand():
     router probabilities (tokens, experts)."""
     from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
+    from selector.traits import traits
 
     over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
     _, p = _tiny_held(*over)
     assert (p.T, p.E, p.E_c, p.xb) == (512, 8, 8, 4)
     router = 512 * 8 * 4
-    dense = held_bytes(block_arrays(Dispatch.dense, Exchange.gather, p))
+    dense = held_bytes(
+        block_arrays(Dispatch.dense, Exchange.gather, p, traits(p.hardware.platform))
+    )
     assert dense == 512 * 8 * (2 * 128 + 64) * 4 + router
     _, q = _tiny_held(*over, "dispatch=subgroup_capacity", "capacity_factor=1.0")
     assert (q.G, q.C) == (1, 128)  # one 512-token subgroup, capacity 512 x 2 / 8
-    capacity = held_bytes(block_arrays(Dispatch.subgroup_capacity, Exchange.gather, q))
+    capacity = held_bytes(
+        block_arrays(Dispatch.subgroup_capacity, Exchange.gather, q, traits(q.hardware.platform))
+    )
     assert capacity == 1 * 8 * 128 * (2 * 64 + 2 * 128) * 4 + router
 
 
@@ -285,6 +290,7 @@ def test_one_plain_mlp_holds_its_hidden_products_and_the_shared_experts():
     and the shared expert's two beside them; no router."""
     from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
+    from selector.traits import traits
 
     h, p = _tiny_held(
         "ici_fsdp_parallelism=8",
@@ -295,7 +301,10 @@ def test_one_plain_mlp_holds_its_hidden_products_and_the_shared_experts():
         "shared_experts=1",
     )
     assert (p.T, p.H, p.Hs, p.xb) == (512, 128, 128, 4)
-    assert held_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p)) == 512 * 2 * (128 + 128) * 4
+    assert (
+        held_bytes(block_arrays(Dispatch.mlp, Exchange.gather, p, traits(p.hardware.platform)))
+        == 512 * 2 * (128 + 128) * 4
+    )
     assert h.weights == 2 * 3 * 64 * 128 * 4  # the expert and the shared one, gathered
 
 
@@ -304,15 +313,23 @@ def test_routed_dispatch_holds_the_shared_products_beside_the_router():
     the float32 router probabilities, both beside the rows."""
     from selector.block_arrays import block_arrays, held_bytes
     from selector.config import Dispatch, Exchange
+    from selector.traits import traits
 
     over = ("ici_fsdp_parallelism=8", "max_target_length=512", "per_device_batch_size=1")
     _, p0 = _tiny_held(*over)
     _, p1 = _tiny_held(*over, "shared_experts=1")
     for strategy in (Dispatch.dense, Dispatch.megablox):
-        without = held_bytes(block_arrays(strategy, Exchange.gather, p0))
-        with_shared = held_bytes(block_arrays(strategy, Exchange.gather, p1))
+        without = held_bytes(
+            block_arrays(strategy, Exchange.gather, p0, traits(p0.hardware.platform))
+        )
+        with_shared = held_bytes(
+            block_arrays(strategy, Exchange.gather, p1, traits(p1.hardware.platform))
+        )
         assert with_shared - without == 512 * 2 * 128 * 4
-    assert held_bytes(block_arrays(Dispatch.dense, Exchange.gather, p0)) > 512 * 8 * 4  # the router
+    assert (
+        held_bytes(block_arrays(Dispatch.dense, Exchange.gather, p0, traits(p0.hardware.platform)))
+        > 512 * 8 * 4
+    )  # the router
 
 
 @pytest.mark.parametrize(
