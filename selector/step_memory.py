@@ -215,7 +215,7 @@ def gdn_bytes_per_token(cfg: Config, cp: int, train: bool) -> float:
     Serving runs the forward alone: counted at the chunk scan, where the layer's
     input, the gate z, the scan's inputs and its float32 output are live."""
     xb, f32 = DTYPE_BYTES.get(cfg.dtype, 4), 4
-    chunk = getattr(cfg, "gdn_chunk_size", GDN_CHUNK_SIZE)
+    chunk = GDN_CHUNK_SIZE
     hv, dk, dv = cfg.gdn_num_value_heads, cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
     k = cfg.gdn_num_key_heads * dk  # queries or keys as projected
     v = hv * dv  # values, the gate z, the core output
@@ -270,8 +270,8 @@ def attention_peak(
     xb = DTYPE_BYTES.get(cfg.dtype, 4)
     hidden = mesh.product(mesh.hidden_axes)
     full = params.full_attention_layers or params.layers[:1]
-    weights = max((layer.attention for layer in full), default=0) / hidden
-    named = named_activations(cfg, full[0]) if full else {}
+    weights = max(layer.attention for layer in full) / hidden
+    named = named_activations(cfg, full[0])
     q = named.get("query_proj", 0) + named.get("context", 0) + cfg.base_emb_dim
     kv = (named.get("key_proj", 0) + named.get("value_proj", 0)) * gathered_shards(cfg, mesh)
     peak = layer_working_set(weights, tokens * (q + kv) / hidden * xb, xb, train)
@@ -384,16 +384,15 @@ def step_memory(
     xb, pb = o.compute_bytes, o.param_bytes
     moe_copy = moe_relaid + ((moe_weights - moe_relaid) / pb * xb if o.recast else 0.0)
     cast = (o.layer_other_params * xb if o.recast else 0.0) + moe_copy
-    moe_grads = moe_weights if o.train else 0.0
     other = o.other_params
+    # Training: the MoE layers' gradients are the size of their weights, and the rest of
+    # their state at rest is the optimizer's.
     return StepMemory(
         weights=other * pb + moe_weights,
         weights_cast=cast,
-        gradients=(other * pb + moe_grads) if o.train else 0.0,
+        gradients=(other * pb + moe_weights) if o.train else 0.0,
         optimizer=(
-            other * o.optimizer_bytes_per_param + moe_state - moe_weights - moe_grads
-            if o.train
-            else 0.0
+            other * o.optimizer_bytes_per_param + moe_state - 2 * moe_weights if o.train else 0.0
         ),
         kv_cache=o.kv_cache,
         saved_activations=o.saved_activations,

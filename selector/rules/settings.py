@@ -15,6 +15,7 @@ from ..traits import traits
 POSITIVE = (
     "base_emb_dim",
     "base_moe_mlp_dim",
+    "base_num_decoder_layers",
     "num_experts",
     "num_experts_per_tok",
     "max_target_length",

@@ -124,3 +124,14 @@ def test_a_gather_asked_for_is_offered_the_exchange_with_fsdp_in_the_expert_grou
     plan, after = analyse(selector.to_config(selector.compose([*over, *folded.split()])))
     assert not [f for f in after if f.code.startswith("MEMORY")]
     assert plan.chosen_estimate.name == "megablox/all_to_all"
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    """base_num_decoder_layers=0 sizes nothing (no layer holds the attention the step's
+    peak is counted at): refused, with the schema's default as the fix."""
+    from selector.findings import errors_in
+
+    _, found = analyse(typed("base_num_decoder_layers=0"))
+    (refused,) = errors_in(found)
+    assert (refused.code, refused.setting) == ("VALUE_NOT_POSITIVE", "base_num_decoder_layers")
+    assert [x.render() for x in refused.fixes] == ["base_num_decoder_layers=1"]
