@@ -43,7 +43,8 @@ def block_arrays(
     """The arrays `strategy`'s forward pass makes on one device (the module's table).
 
     Args:
-      strategy, exchange: the dispatch, and how its expert weights meet the rows.
+      strategy: the dispatch.
+      exchange: how its expert weights meet the rows (gathered, or exchanged).
       p: the placed problem (`selector.problem.placed`).
       compiler: the compiler's traits: how many of the exchange's (G, B, M) round
         buffers and (T, M) token buffers it holds at once (`exchange_row_buffers`,
