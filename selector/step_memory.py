@@ -68,8 +68,8 @@ REMAT_BY_MEMORY = (
     "minimal",
     "minimal_with_context",
 )
-# MaxText 0.2.5's base.yml gdn_chunk_size: the Gated DeltaNet's chunk of tokens (read
-# from the config when it carries the key).
+# MaxText 0.2.5's base.yml gdn_chunk_size: the Gated DeltaNet's chunk of tokens (the
+# config has no key for it).
 GDN_CHUNK_SIZE = 64
 # The parts of `StepMemory.breakdown`, in the order reports show them.
 STEP_PARTS = (
