@@ -126,6 +126,37 @@ def test_a_gather_asked_for_is_offered_the_exchange_with_fsdp_in_the_expert_grou
     assert plan.chosen_estimate.name == "megablox/all_to_all"
 
 
+def test_a_gather_asked_for_is_offered_the_exchange_over_experts_and_sequence():
+    """Qwen3-Next-80B-A3B on 16 v5p chips (fsdp 2 x context 4 x expert 2), the experts
+    gathered as asked: the step is within the margin of the chip. Exchanging them over
+    the expert and context axes is offered with both keys (the group alone leaves the
+    gather asked for, and the step in the margin), and with it the step leaves the margin."""
+    over = ["model=qwen3_next_80b_a3b", "num_devices=16", "hardware=v5p"]
+    over += ["ici_fsdp_parallelism=2", "ici_context_parallelism=4", "ici_expert_parallelism=2"]
+    over += ["per_device_batch_size=0.25", "max_target_length=8192", "param_dtype=bfloat16"]
+    _, found = analyse(selector.to_config(selector.compose([*over, "expert_exchange=gather"])))
+    (memory,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
+    exchanged = "expert_exchange=all_to_all expert_group=expert_and_sequence"
+    assert exchanged in [x.render() for x in memory.fixes]
+    plan, after = analyse(
+        selector.to_config(selector.compose([*over, "expert_exchange=gather", *exchanged.split()]))
+    )
+    assert not [f for f in after if f.code.startswith("MEMORY")]
+    assert plan.chosen_estimate.name == "megablox/all_to_all"
+
+
+def test_without_fsdp_on_the_mesh_the_exchange_is_offered_over_one_group():
+    """fsdp=1: folding fsdp into the expert group adds no device, so the exchange is
+    offered once (Qwen3-30B-A3B on 16 H100s, context 8 x expert 2, gathered as asked)."""
+    over = ["model=qwen3_30b_a3b", "num_devices=16", "hardware=h100", "ici_fsdp_parallelism=1"]
+    over += ["ici_context_parallelism=8", "ici_expert_parallelism=2", "per_device_batch_size=1"]
+    over += ["max_target_length=8192", "param_dtype=bfloat16", "expert_exchange=gather"]
+    _, found = analyse(selector.to_config(selector.compose(over)))
+    (memory,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
+    exchanges = [x.render() for x in memory.fixes if "expert_exchange" in x.render()]
+    assert exchanges == ["expert_exchange=all_to_all expert_group=expert_and_sequence"]
+
+
 def test_a_model_without_decoder_layers_is_refused():
     """base_num_decoder_layers=0 sizes nothing (no layer holds the attention the step's
     peak is counted at): refused, with the schema's default as the fix."""
