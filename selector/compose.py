@@ -3,6 +3,7 @@ dataclasses once, and read a live jax mesh without importing jax."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -14,8 +15,10 @@ from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
@@ -133,6 +136,17 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
                     ]
                 )
             raise unknown_setting(key, f" (override {shown(repr(line))})")
+    cfg = _with_keys_applied(tuple(overrides))
+    if cfg is None:
+        cfg = _hydra_compose(tuple(overrides))
+    extra = sorted(set(cfg.keys()) - _FIELDS)
+    if extra:
+        raise unknown_setting(extra[0])
+    return cfg
+
+
+def _hydra_compose(overrides: tuple[str, ...]) -> DictConfig:
+    """Hydra's whole compose (its errors translated): the reference `compose` follows."""
     register_schema()
     hydra_global = GlobalHydra.instance()
     outer = None
@@ -151,9 +165,46 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     finally:
         if outer is not None:
             GlobalHydra.instance().initialize(outer)
-    extra = sorted(set(cfg.keys()) - _FIELDS)
-    if extra:
-        raise unknown_setting(extra[0])
+    return cfg
+
+
+@functools.cache
+def _override_parser() -> OverridesParser:
+    return OverridesParser.create()
+
+
+@functools.lru_cache(maxsize=64)
+def _groups_composed(conf: str, groups: tuple[str, ...]) -> DictConfig:
+    """Hydra's compose of the config-group choices alone (`conf` keys the tree). Kept:
+    the preset files do not change while a process runs, and composing them is most of
+    a compose's time (a tenth of a second here). Never handed out: callers copy it."""
+    return _hydra_compose(groups)
+
+
+def _with_keys_applied(overrides: tuple[str, ...]) -> DictConfig | None:
+    """The composed config, made as Hydra makes it but with the group choices' compose
+    kept: Hydra composes the defaults list (config.yaml and the chosen `model`, `mesh`
+    and `hardware` presets), then applies every other override to it in order
+    (`ConfigLoaderImpl._apply_overrides_to_config`, the function called here). None
+    where an override needs Hydra's own path (a sweep, Hydra's node or groups) or where
+    Hydra refuses one, so that the error comes from that path, translated as always."""
+    try:
+        parsed = _override_parser().parse_overrides(list(overrides))
+    except HydraException:
+        return None
+    if any(
+        o.is_sweep_override() or "/" in o.key_or_group or o.key_or_group.split(".")[0] == "hydra"
+        for o in parsed
+    ):
+        return None
+    groups = tuple(o.input_line for o in parsed if o.key_or_group in GROUPS)
+    try:
+        cfg = copy.deepcopy(_groups_composed(str(conf_dir()), groups))
+        ConfigLoaderImpl._apply_overrides_to_config(
+            [o for o in parsed if o.key_or_group not in GROUPS], cfg
+        )
+    except (ConfigError, HydraException, OmegaConfBaseException, ValueError):
+        return None
     return cfg
 
 

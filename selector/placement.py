@@ -107,13 +107,10 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
     (batch axes that split the weights' embedding dim too): the experts rest split over
     them instead, and no device gathers them. Policy, rules and report all read this, so
     they cannot disagree."""
-    token_axes = set(mesh.batch_axes) | set(mesh.sequence_axes)
-    experts = tuple(a for a in _present(mesh, mesh.expert_axes) if a in token_axes)
+    experts = _token_expert_axes(mesh)
     fsdp = ()
     if cfg.expert_group is ExpertGroup.expert_sequence_and_fsdp:
-        fsdp = tuple(
-            a for a in _present(mesh, mesh.batch_axes) if a in mesh.embed_axes and a not in experts
-        )
+        fsdp = fsdp_axes_folded(mesh)
         experts = fsdp + experts
     sequence = tuple(a for a in _present(mesh, mesh.sequence_axes) if a not in experts)
     if not sequence:
@@ -139,6 +136,22 @@ def exchange_group(cfg: Config, mesh: MeshView) -> GroupAxes:
             f"{cfg.num_experts}",
         )
     return GroupAxes(folded, sequence, fsdp=fsdp)
+
+
+def _token_expert_axes(mesh: MeshView) -> tuple[str, ...]:
+    """The expert axes of size > 1 that split the tokens (only those can exchange them)."""
+    token_axes = set(mesh.batch_axes) | set(mesh.sequence_axes)
+    return tuple(a for a in _present(mesh, mesh.expert_axes) if a in token_axes)
+
+
+def fsdp_axes_folded(mesh: MeshView) -> tuple[str, ...]:
+    """The axes expert_group=expert_sequence_and_fsdp adds to the group: batch axes of
+    size > 1 that split the weights' embedding dim too and are not expert axes already
+    (none: the group is expert_and_sequence's)."""
+    experts = _token_expert_axes(mesh)
+    return tuple(
+        a for a in _present(mesh, mesh.batch_axes) if a in mesh.embed_axes and a not in experts
+    )
 
 
 def exchanged(cfg: Config, mesh: MeshView) -> WeightPlacement:

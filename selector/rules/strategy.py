@@ -9,7 +9,7 @@ from ..cost import Estimate, Verdict
 from ..findings import Finding, error, fix, warning
 from ..mesh import MeshView
 from ..per_device import PerDevice, capacity
-from ..placement import exchange_group
+from ..placement import exchange_group, fsdp_axes_folded
 from ..step_memory import STEP_PARTS
 from .layout import fmt, shown_axes
 from .moves import move
@@ -186,23 +186,20 @@ def _memory_fixes(cfg: Config, mesh: MeshView, parts: dict, state_bigger: bool) 
     return [
         fix(param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
-        *_exchange_fixes(cfg, mesh),
+        *_exchange_fixes(mesh),
         *_more_slices(cfg, mesh),
         *_lighter_step(cfg, parts),
         *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
     ]
 
 
-def _exchange_fixes(cfg: Config, mesh: MeshView) -> list:
-    """The experts exchanged over the expert and sequence axes, and over fsdp too: one
-    fix per distinct group (without fsdp on the mesh the two are the same devices)."""
-    fixes, seen = [], set()
-    for group in (ExpertGroup.expert_and_sequence, ExpertGroup.expert_sequence_and_fsdp):
-        axes = exchange_group(cfg.replace(expert_group=group), mesh).axes
-        if axes not in seen:
-            seen.add(axes)
-            fixes.append(fix(expert_exchange=Exchange.all_to_all, expert_group=group))
-    return fixes
+def _exchange_fixes(mesh: MeshView) -> list:
+    """The experts exchanged over the expert and sequence axes, and over fsdp too where
+    that adds devices (without fsdp-like axes the two groups are the same)."""
+    groups = [ExpertGroup.expert_and_sequence]
+    if fsdp_axes_folded(mesh):
+        groups.append(ExpertGroup.expert_sequence_and_fsdp)
+    return [fix(expert_exchange=Exchange.all_to_all, expert_group=g) for g in groups]
 
 
 def within_margin(cfg: Config, est: Estimate, fixes: list) -> Finding:
