@@ -190,7 +190,7 @@ def _with_keys_applied(overrides: tuple[str, ...]) -> DictConfig | None:
     Hydra refuses one, so that the error comes from that path, translated as always."""
     try:
         parsed = _override_parser().parse_overrides(list(overrides))
-    except HydraException:
+    except Exception:  # whatever the parser refuses, Hydra's whole compose says how
         return None
     if any(
         o.is_sweep_override() or "/" in o.key_or_group or o.key_or_group.split(".")[0] == "hydra"
@@ -203,7 +203,7 @@ def _with_keys_applied(overrides: tuple[str, ...]) -> DictConfig | None:
         ConfigLoaderImpl._apply_overrides_to_config(
             [o for o in parsed if o.key_or_group not in GROUPS], cfg
         )
-    except (ConfigError, HydraException, OmegaConfBaseException, ValueError):
+    except Exception:  # Hydra's whole compose refuses it, and says how
         return None
     return cfg
 

@@ -26,7 +26,7 @@ def _check(study: str, devices: int) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("study", ["memory", "train_memory", "speed", "gmm"])
+@pytest.mark.parametrize("study", ["memory", "train_memory", "speed", "gmm", "compose"])
 def test_benchmark_check_agrees_with_its_stored_json(study):
     assert "agree with" in _check(study, 8)
 
@@ -103,6 +103,17 @@ def _stored(study: str) -> dict:
 
 def _readme_prose() -> str:
     return " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_the_design_page_quotes_the_stored_compose_times():
+    """docs/design.md's compose times are bench/results/compose.json's medians."""
+    summary = _stored("compose")["summary"]
+    page = " ".join((ROOT / "docs" / "design.md").read_text().split())
+    quoted = (
+        f"{summary['hydra_ms_median']:.0f} ms a compose by Hydra's whole path against "
+        f"{summary['kept_ms_median']:.1f} ms, {summary['ratio_median']:.1f}x"
+    )
+    assert quoted in page
 
 
 def test_the_readme_limits_quote_the_stored_results():
