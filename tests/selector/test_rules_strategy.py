@@ -87,15 +87,18 @@ def test_the_memory_messages_quote_the_estimate_in_gib():
     assert low < held < high < 2 * held
 
 
-@pytest.mark.parametrize("rounding, least", [("ours", 1.7), ("maxtext", 1.85)])
+@pytest.mark.parametrize(
+    "rounding, asked, least", [("ours", 1, 1.7), ("maxtext", 1, 1.85), ("ours", 1.65, 1.7)]
+)
 def test_the_drops_fix_is_the_least_factor_that_clears_them_under_the_rounding_asked(
-    rounding, least
+    rounding, asked, least
 ):
     """tiny (8 experts, k 2), one 24-token subgroup at capacity_factor=1: uniform routing
     drops too much. The fix offered is the least factor (in steps of 0.05) whose
     capacity, rounded the way the config rounds it, clears the warning: MaxText 0.2.5's
-    truncating rule needs more than ours."""
-    over = ["capacity_factor=1", "max_target_length=24", "dispatch=subgroup_capacity"]
+    truncating rule needs more than ours. Asked for 1.65, one step below the least,
+    the fix is that next step."""
+    over = [f"capacity_factor={asked}", "max_target_length=24", "dispatch=subgroup_capacity"]
     over.append(f"capacity_rounding={rounding}")
 
     def drops(*extra):
@@ -166,3 +169,29 @@ def test_a_model_without_decoder_layers_is_refused():
     (refused,) = errors_in(found)
     assert (refused.code, refused.setting) == ("VALUE_NOT_POSITIVE", "base_num_decoder_layers")
     assert [x.render() for x in refused.fixes] == ["base_num_decoder_layers=1"]
+
+
+def test_the_capacity_path_costly_is_offered_dropless_routing():
+    """Qwen3-Next on v5p-128 at 16,384 tokens with capacity_factor=1.25: the capacity
+    path runs as asked, with a warning whose one fix is dropless routing
+    (capacity_factor=-1), which then picks a dropless dispatch."""
+    over = ["model=qwen3_next_80b_a3b", "mesh=v5p_128", "max_target_length=16384"]
+    _, found = analyse(selector.to_config(selector.compose([*over, "capacity_factor=1.25"])))
+    (costly,) = [f for f in found if f.code == "CAPACITY_COSTLY"]
+    assert [dict(x.overrides) for x in costly.fixes] == [{"capacity_factor": -1}]
+    plan, found = analyse(selector.to_config(selector.compose([*over, "capacity_factor=-1"])))
+    assert plan.strategy is not selector.Dispatch.subgroup_capacity
+    assert "CAPACITY_COSTLY" not in {f.code for f in found}
+
+
+def test_an_exchange_asked_of_the_dense_dispatch_is_offered_megablox_or_the_gather():
+    """expert_exchange=all_to_all with dispatch=dense (tiny at cp 4) is an error; its
+    fixes are the megablox dispatch, dropless, which does exchange, or the gather."""
+    over = ["expert_exchange=all_to_all", "ici_context_parallelism=4", "max_target_length=8192"]
+    over.append("per_device_batch_size=0.25")
+    _, found = analyse(typed(*over, "dispatch=dense"))
+    (needs,) = [f for f in found if f.code == "EXCHANGE_NEEDS_MEGABLOX"]
+    assert [dict(x.overrides) for x in needs.fixes] == [
+        {"dispatch": selector.Dispatch.megablox, "capacity_factor": -1},
+        {"expert_exchange": selector.Exchange.gather},
+    ]

@@ -799,3 +799,59 @@ def test_each_layer_says_whether_it_attends_whole_and_whether_it_routes():
     ]
     assert (params.dense_layers, params.moe_layers) == (1, 3)
     assert len(params.full_attention_layers) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "fp32", "per_token"),
+    [("prefill", "false", 2), ("prefill", "true", 4), ("train", "false", 2 * 2)],
+)
+def test_the_logits_counted_by_hand(mode, fp32, per_token):
+    """Mixtral on 8 H200s, 4,096 tokens a device: the logits over the 32,000-word
+    vocabulary in bfloat16 (float32 with logits_dot_in_fp32), and in training their
+    gradient beside them (twice the bytes); serving holds no gradient."""
+    over = ["model=mixtral_8x7b", "mesh=h200_8", f"mode={mode}", "per_device_batch_size=1"]
+    over += ["max_target_length=4096", f"logits_dot_in_fp32={fp32}", "num_vocab_tiling=1"]
+    plan, _ = analyse(selector.to_config(selector.compose(over)))
+    assert plan.chosen_estimate.device_breakdown["logits"] == 4096 * 32000 * per_token
+
+
+def test_the_attention_peak_is_split_over_the_tensor_axis():
+    """Mixtral prefill on 8 H200s with tensor=2: each device holds half of a layer's
+    attention weights and half of each token's query, context, input and key-value
+    rows, for the tokens its batch shard holds (twice as many: tensor shards no
+    tokens)."""
+    over = ["model=mixtral_8x7b", "mesh=h200_8", "mode=prefill", "per_device_batch_size=1"]
+    over += ["max_target_length=4096", "ici_tensor_parallelism=2"]
+    plan, _ = analyse(selector.to_config(selector.compose(over)))
+    tokens = plan.per_device.tokens_per_device
+    assert tokens == 2 * 4096
+    weights = 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 32 * 128 * 4096
+    rows = tokens * (3 * 4096 + 2 * 1024)
+    assert plan.chosen_estimate.device_breakdown["attention_peak"] == 2 * (weights + rows) / 2
+
+
+def test_a_decoder_of_linear_attention_layers_only_is_counted():
+    """Qwen3-Next cut to 3 layers, fewer than one cycle of its layer pattern: no full
+    attention layer; the step is still counted (the attention peak is its Gated
+    DeltaNet layers')."""
+    over = ["model=qwen3_next_80b_a3b", "base_num_decoder_layers=3"]
+    plan, found = analyse(selector.to_config(selector.compose(over)))
+    assert not [f for f in found if f.severity == "error"]
+    assert plan.chosen_estimate.device_breakdown["attention_peak"] > 0
+
+
+def test_the_cp_fix_for_memory_multiplies_the_context_axis_already_there():
+    """Qwen3-30B-A3B on 16 H100s at cp 2 (fsdp 8), 65,536 tokens a device: the cp fixes
+    double and quadruple the context axis already there (to 4 and 8), taking the
+    devices from fsdp, with the per-device batch cut alike."""
+    over = ["model=qwen3_30b_a3b", "num_devices=16", "hardware=h100", "param_dtype=bfloat16"]
+    over += ["max_target_length=131072", "ici_context_parallelism=2", "ici_fsdp_parallelism=8"]
+    plan, found = analyse(
+        selector.to_config(selector.compose([*over, "per_device_batch_size=0.5"]))
+    )
+    (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    moves = {x.render() for x in memory.fixes if "ici_context_parallelism" in x.render()}
+    assert moves == {
+        "ici_fsdp_parallelism=4 ici_context_parallelism=4 per_device_batch_size=0.25",
+        "ici_fsdp_parallelism=2 ici_context_parallelism=8 per_device_batch_size=0.125",
+    }
