@@ -195,3 +195,14 @@ def test_an_exchange_asked_of_the_dense_dispatch_is_offered_megablox_or_the_gath
         {"dispatch": selector.Dispatch.megablox, "capacity_factor": -1},
         {"expert_exchange": selector.Exchange.gather},
     ]
+
+
+@pytest.mark.parametrize("factor", ["0", "-1"])
+def test_a_dropless_factor_of_zero_or_below_raises_no_capacity_warning(factor):
+    """capacity_factor=0 and -1 both spell dropless routing (MaxText's convention):
+    the dropless dispatch runs and no capacity finding is raised; 0.5 is a capacity
+    that the dropless dispatch ignores, which is said."""
+    _, found = analyse(typed("dispatch=megablox", f"capacity_factor={factor}"))
+    assert not {"CAPACITY_IGNORED", "CAPACITY_REQUIRED"} & {f.code for f in found}
+    _, found = analyse(typed("dispatch=megablox", "capacity_factor=0.5"))
+    assert "CAPACITY_IGNORED" in {f.code for f in found}

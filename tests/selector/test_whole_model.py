@@ -855,3 +855,20 @@ def test_the_cp_fix_for_memory_multiplies_the_context_axis_already_there():
         "ici_fsdp_parallelism=4 ici_context_parallelism=4 per_device_batch_size=0.25",
         "ici_fsdp_parallelism=2 ici_context_parallelism=8 per_device_batch_size=0.125",
     }
+
+
+def test_the_gated_deltanet_peak_is_split_over_the_tensor_axis():
+    """Qwen3-Next training, 4,096 tokens a device either way: with tensor=2 a device
+    holds half of each layer's weights (Gated DeltaNet's and the full attention's) and
+    half of each token's rows, so its attention peak (Gated DeltaNet's, the larger) is
+    exactly half of tensor=1's."""
+    over = ["model=qwen3_next_80b_a3b", "max_target_length=4096"]
+    one, _ = analyse(selector.to_config(selector.compose([*over, "per_device_batch_size=1"])))
+    two, _ = analyse(
+        selector.to_config(
+            selector.compose([*over, "per_device_batch_size=0.5", "ici_tensor_parallelism=2"])
+        )
+    )
+    assert one.per_device.tokens_per_device == two.per_device.tokens_per_device == 4096
+    peak = one.chosen_estimate.device_breakdown["attention_peak"]
+    assert two.chosen_estimate.device_breakdown["attention_peak"] == peak / 2
