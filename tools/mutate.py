@@ -13,6 +13,7 @@ cores.
     python -m tools.mutate placement --function exchange_group   # one function's mutants
     python -m tools.mutate step --sample 40 --seed 0   # the whole step's count, sampled
     python -m tools.mutate step --module selector/architecture.py   # one module, every mutant
+    python -m tools.mutate layout --sample 40 --seed 0   # the batch and mesh rules, sampled
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -131,6 +132,24 @@ PARTS = {
             "tests/selector/test_cost.py",
             "tests/selector/test_selector_findings.py",
             "tests/selector/test_memory_model.py",
+        ),
+    },
+    # The batch and mesh rules a launch is checked against (local batch inflation, shards
+    # that do not divide, decode under cp) and the per-device numbers they read.
+    "layout": {
+        "modules": (
+            "selector/rules/layout.py",
+            "selector/per_device.py",
+            "selector/rules/moves.py",
+        ),
+        "tests": (
+            "tests/selector/test_rules_layout.py",
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_selector_api.py",
+            "tests/selector/test_rules_strategy.py",
+            "tests/selector/test_whole_model.py",
+            "tests/selector/test_drop_fraction.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.

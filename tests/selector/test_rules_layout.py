@@ -1,0 +1,108 @@
+"""The batch and mesh rules a launch is checked against: the fixes each offers, as the
+overrides a user would type, and the per-device numbers and device moves they rest on."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import typed
+
+from selector.mesh import build_mesh_view
+from selector.plan import analyse
+from selector.rules.moves import move
+
+
+def fixes_of(code: str, *overrides: str) -> list[dict]:
+    _, found = analyse(typed(*overrides))
+    (finding,) = [f for f in found if f.code == code]
+    return [dict(x.overrides) for x in finding.fixes]
+
+
+def test_an_inflated_local_batch_is_offered_the_batch_cut_and_the_context_devices_moved():
+    """tiny on 8 devices at cp 4 with per_device_batch_size=1: 4 sequences a batch shard.
+    The fixes: a quarter of the batch, or the same global batch with the context devices
+    given to fsdp (the weights stay split) or to data."""
+    assert fixes_of(
+        "LOCAL_BATCH_INFLATION", "ici_context_parallelism=4", "per_device_batch_size=1"
+    ) == [
+        {"per_device_batch_size": 0.25},
+        {"ici_fsdp_parallelism": 8, "ici_context_parallelism": 1},
+        {"ici_data_parallelism": 4, "ici_fsdp_parallelism": 2, "ici_context_parallelism": 1},
+    ]
+
+
+def test_replicated_tokens_are_offered_the_batch_rule_or_the_devices_moved_to_data():
+    """tensor=2 that splits no hidden dim (axis_rules.hidden=[]) repeats the tokens: name
+    it in the batch rule, or give its devices to data."""
+    over = ("ici_tensor_parallelism=2", "axis_rules.hidden=[]", "per_device_batch_size=1")
+    assert fixes_of("TOKENS_REPLICATED", *over) == [
+        {"axis_rules.batch": ["data", "fsdp", "expert", "tensor"]},
+        {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 4, "ici_tensor_parallelism": 1},
+    ]
+
+
+def test_experts_that_do_not_divide_the_expert_axis_are_offered_a_smaller_axis():
+    """6 experts over expert=4 (fsdp 2): the expert axis shrinks to 2 (the largest size
+    both divide) and its other devices go to fsdp or data, or the experts rest unsplit."""
+    over = ("ici_expert_parallelism=4", "num_experts=6", "ici_fsdp_parallelism=2")
+    assert fixes_of("EXPERTS_NOT_DIVISIBLE", *over) == [
+        {"ici_fsdp_parallelism": 4, "ici_expert_parallelism": 2},
+        {"ici_data_parallelism": 2, "ici_expert_parallelism": 2},
+        {"axis_rules.experts": []},
+    ]
+
+
+def test_a_repeated_decode_token_is_offered_the_decode_axis_in_the_batch_rule():
+    """At decode, context_autoregressive=2 repeats each new token on its devices: the
+    MoE block names it in its batch rule, and the sequence rule keeps the other axes."""
+    over = ("mode=decode", "ici_context_autoregressive_parallelism=2", "per_device_batch_size=1")
+    assert fixes_of("DECODE_TOKEN_REPEATED", *over) == [
+        {
+            "axis_rules.batch": ["data", "fsdp", "expert", "context_autoregressive"],
+            "axis_rules.sequence": ["context", "context_usp_ulysses"],
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "replication"),
+    [
+        (("ici_context_parallelism=4", "per_device_batch_size=0.25"), 1),
+        (("ici_context_parallelism=2", "ici_tensor_parallelism=2", "per_device_batch_size=0.5"), 2),
+        (("ici_tensor_parallelism=4", "per_device_batch_size=0.25"), 4),
+    ],
+)
+def test_devices_holding_the_same_tokens_are_counted(overrides, replication):
+    """A device's tokens are shared by the devices that split neither batch nor
+    sequence: none at cp 4, the tensor pair at cp 2 x tensor 2, all four at tensor 4."""
+    plan, _ = analyse(typed(*overrides))
+    assert plan.per_device.replication == replication
+
+
+def _mesh(*overrides: str):
+    cfg = typed(*overrides)
+    mesh, _ = build_mesh_view(cfg, None)
+    return cfg, mesh
+
+
+def test_a_move_keeps_the_device_count_in_whole_devices():
+    """fsdp=8 on 8 devices: context 4 takes 4 of fsdp's devices, leaving data at 1 and
+    fsdp at 2 when they go to fsdp; two axes changed at once multiply; a move that would
+    leave a fraction or less than one device on the receiving axis is refused."""
+    cfg, mesh = _mesh()
+    assert dict(move(cfg, mesh, {"context": 4, "fsdp": 2}, to="data")) == {
+        "ici_fsdp_parallelism": 2,
+        "ici_context_parallelism": 4,
+    }
+    # context 2 and expert 2 free a quarter of fsdp: it keeps 2 devices.
+    assert dict(move(cfg, mesh, {"context": 2, "expert": 2}, to="fsdp")) == {
+        "ici_fsdp_parallelism": 2,
+        "ici_expert_parallelism": 2,
+        "ici_context_parallelism": 2,
+    }
+    # Exactly one device left on the receiving axis is a move; none or a fraction is not.
+    assert dict(move(cfg, mesh, {"context": 8}, to="fsdp")) == {
+        "ici_fsdp_parallelism": 1,
+        "ici_context_parallelism": 8,
+    }
+    assert move(cfg, mesh, {"context": 16}, to="fsdp") is None
+    assert move(cfg, mesh, {"context": 3}, to="fsdp") is None
