@@ -106,3 +106,21 @@ def test_a_move_keeps_the_device_count_in_whole_devices():
     }
     assert move(cfg, mesh, {"context": 16}, to="fsdp") is None
     assert move(cfg, mesh, {"context": 3}, to="fsdp") is None
+
+
+def test_a_batch_that_does_not_divide_is_offered_one_sequence_a_shard():
+    """4 sequences over 8 batch shards (per_device_batch_size=0.5, fsdp 8): the fix is
+    the least batch that divides, one sequence a shard."""
+    assert fixes_of("BATCH_NOT_DIVISIBLE", "per_device_batch_size=0.5") == [
+        {"per_device_batch_size": 1.0}
+    ]
+
+
+@pytest.mark.parametrize(("mode", "seq_len", "sub_seq"), [("train", 256, 64), ("decode", 1, 1)])
+def test_a_decode_step_holds_one_token_a_sequence(mode, seq_len, sub_seq):
+    """Training splits each 256-token sequence over cp 4; a decode step (cp 1, the
+    decode axis 4) has one new token a sequence, whatever max_target_length says."""
+    axis = "context" if mode == "train" else "context_autoregressive"
+    over = (f"mode={mode}", f"ici_{axis}_parallelism=4", "max_target_length=256")
+    plan, _ = analyse(typed(*over, "per_device_batch_size=0.25"))
+    assert (plan.per_device.seq_len, plan.per_device.sub_seq) == (seq_len, sub_seq)
