@@ -124,3 +124,14 @@ def test_a_decode_step_holds_one_token_a_sequence(mode, seq_len, sub_seq):
     over = (f"mode={mode}", f"ici_{axis}_parallelism=4", "max_target_length=256")
     plan, _ = analyse(typed(*over, "per_device_batch_size=0.25"))
     assert (plan.per_device.seq_len, plan.per_device.sub_seq) == (seq_len, sub_seq)
+
+
+def test_a_fractional_global_batch_is_offered_each_batch_once():
+    """tiny at cp 4 (2 batch shards) with per_device_batch_size=0.3: 2.4 sequences. One
+    sequence a shard and the nearest whole batch are both 0.25: offered once."""
+    over = ("ici_context_parallelism=4", "max_target_length=8192", "per_device_batch_size=0.3")
+    assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [{"per_device_batch_size": 0.25}]
+    # At cp 8 on one batch shard, the nearest whole batch (2 sequences on the one shard)
+    # inflates the local batch, so only one sequence a shard is offered.
+    over = ("ici_context_parallelism=8", "max_target_length=8192", "per_device_batch_size=0.3")
+    assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [{"per_device_batch_size": 0.125}]
