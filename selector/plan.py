@@ -280,15 +280,15 @@ class _FixSearch:
         joint fix merges), lightest first."""
         good = []  # (the fix as offered, with what a device then holds; as proposed)
         clears_all = False
-        spelled_before = set()  # two rules' routes to the same overrides: offered once
+        spelled_before = set()  # two of the finding's fixes that spell the same overrides
         for fix_ in finding.fixes:
             ran = self.run(fix_)
             if ran is None:
                 continue
             spelled, plan, after = ran
-            if spelled.render() in spelled_before:
+            if (key := spelled.render()) in spelled_before:
                 continue
-            spelled_before.add(spelled.render())
+            spelled_before.add(key)
             new_errors = {f.code for f in errors_in(after)} - self.old_errors
             if finding.code not in {f.code for f in after} and not new_errors:
                 est = plan.chosen_estimate if plan is not None else None

@@ -149,7 +149,6 @@ PARTS = {
             "tests/selector/test_selector_api.py",
             "tests/selector/test_rules_strategy.py",
             "tests/selector/test_whole_model.py",
-            "tests/selector/test_drop_fraction.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.

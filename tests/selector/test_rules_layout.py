@@ -78,17 +78,12 @@ def test_devices_holding_the_same_tokens_are_counted(overrides, replication):
     assert plan.per_device.replication == replication
 
 
-def _mesh(*overrides: str):
-    cfg = typed(*overrides)
-    mesh, _ = build_mesh_view(cfg, None)
-    return cfg, mesh
-
-
 def test_a_move_keeps_the_device_count_in_whole_devices():
-    """fsdp=8 on 8 devices: context 4 takes 4 of fsdp's devices, leaving data at 1 and
-    fsdp at 2 when they go to fsdp; two axes changed at once multiply; a move that would
-    leave a fraction or less than one device on the receiving axis is refused."""
-    cfg, mesh = _mesh()
+    """fsdp=8 on 8 devices: context 4 with fsdp 2 leaves data at 1; context 2 and expert
+    2 together leave fsdp a quarter of its devices; a move that would leave a fraction or
+    less than one device on the receiving axis is refused."""
+    cfg = typed()
+    mesh, _ = build_mesh_view(cfg, None)
     assert dict(move(cfg, mesh, {"context": 4, "fsdp": 2}, to="data")) == {
         "ici_fsdp_parallelism": 2,
         "ici_context_parallelism": 4,
