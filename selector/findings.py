@@ -98,6 +98,10 @@ def ranked_fixes(fixes: list[Fix]) -> tuple[Fix, ...]:
     return (*joint, *single)
 
 
+# Of a finding's fixes that all failed, how many its message names.
+TRIED_SHOWN = 3
+
+
 def fix(note: str = "", **overrides: Any) -> Fix:
     """A Fix from keyword overrides; nested keys use '__' (axis_rules__sequence)."""
     return Fix(tuple((k.replace("__", "."), v) for k, v in overrides.items()), note)
@@ -159,6 +163,11 @@ class Finding:
             text += " Fix: " + "; or ".join(f.text() for f in verified) + "."
         elif self.no_fix:
             text += " " + self.no_fix
+        elif self.fixes:  # proposed, and none cleared it: say what was tried
+            tried = "; ".join(f.render() for f in self.fixes[:TRIED_SHOWN])
+            if len(self.fixes) > TRIED_SHOWN:
+                tried += f"; and {len(self.fixes) - TRIED_SHOWN} more"
+            text += f" None of the fixes checked clears it without a new error (checked: {tried})."
         if self.tail:
             text += " " + self.tail
         return dataclasses.replace(self, message=text, fixes=verified, base=base)

@@ -14,6 +14,7 @@ cores.
     python -m tools.mutate step --sample 40 --seed 0   # the whole step's count, sampled
     python -m tools.mutate step --module selector/architecture.py   # one module, every mutant
     python -m tools.mutate layout --sample 40 --seed 0   # the batch and mesh rules, sampled
+    python -m tools.mutate settings --sample 60 --seed 0   # the rules on plain values
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -149,6 +150,19 @@ PARTS = {
             "tests/selector/test_selector_api.py",
             "tests/selector/test_rules_strategy.py",
             "tests/selector/test_whole_model.py",
+        ),
+    },
+    # The rules on plain values and on the decoder's settings, checked before anything
+    # is derived from them (bad input gets an error that names the setting and its fix).
+    "settings": {
+        "modules": ("selector/rules/settings.py", "selector/rules/model.py"),
+        "tests": (
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_whole_model.py",
+            "tests/selector/test_selector_api.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/test_rules_strategy.py",
+            "tests/selector/maxtext/test_maxtext.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.

@@ -244,10 +244,18 @@ def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Findi
     axes = [a for a in mesh.replicating_axes if a not in mesh.hidden_axes]
     if not axes or cfg.mode is Mode.decode:
         return []
-    fixes = [fix(**{"axis_rules__batch": [*mesh.batch_axes, *axes]})]
+    # Either fix makes those axes batch axes: the batch shards multiply by their size,
+    # and a global batch they no longer divide grows to the next whole multiple.
+    shards = dev.batch_shards * mesh.product([a for a in axes if mesh.size(a) > 1])
+    batch, note = {}, ""
+    if not is_whole(dev.global_batch / shards):
+        per_shard = max(1, math.ceil(dev.global_batch / shards))
+        batch = {"per_device_batch_size": per_shard * shards / dev.num_devices}
+        note = f", global batch {per_shard * shards}"
+    fixes = [fix(note[2:], **{"axis_rules__batch": [*mesh.batch_axes, *axes]}, **batch)]
     moved = move(cfg, mesh, {a: 1 for a in axes if mesh.size(a) > 1})
     if moved:
-        fixes.append(fix("moves the devices to data", **dict(moved)))
+        fixes.append(fix(f"moves the devices to data{note}", **dict(moved), **batch))
     return [
         warning(
             "TOKENS_REPLICATED",

@@ -40,6 +40,29 @@ def test_replicated_tokens_are_offered_the_batch_rule_or_the_devices_moved_to_da
     ]
 
 
+def test_replicated_tokens_at_half_a_sequence_a_device_are_offered_a_whole_batch():
+    """At per_device_batch_size=0.5 the 4 sequences do not divide over the 8 batch shards
+    either fix makes: each fix grows the global batch to 8 (per_device_batch_size=1),
+    the same 2,048 tokens a device, no longer repeated, and each clears the warning."""
+    over = ("ici_tensor_parallelism=2", "axis_rules.hidden=[]", "per_device_batch_size=0.5")
+    fixes = fixes_of("TOKENS_REPLICATED", *over)
+    assert fixes == [
+        {"axis_rules.batch": ["data", "fsdp", "expert", "tensor"], "per_device_batch_size": 1},
+        {
+            "ici_data_parallelism": 2,
+            "ici_fsdp_parallelism": 4,
+            "ici_tensor_parallelism": 1,
+            "per_device_batch_size": 1,
+        },
+    ]
+    for applied in fixes:
+        rendered = [f"{k}={v}".replace("'", "").replace(" ", "") for k, v in applied.items()]
+        plan, found = analyse(typed(*over[:2], *rendered))
+        assert not found
+        assert plan.per_device.tokens_per_device == 2048
+        assert plan.per_device.replication == 1
+
+
 def test_experts_that_do_not_divide_the_expert_axis_are_offered_a_smaller_axis():
     """6 experts over expert=4 (fsdp 2): the expert axis shrinks to 2 (the largest size
     both divide) and its other devices go to fsdp or data, or the experts rest unsplit."""
@@ -130,3 +153,33 @@ def test_a_fractional_global_batch_is_offered_each_batch_once():
     # inflates the local batch, so only one sequence a shard is offered.
     over = ("ici_context_parallelism=8", "max_target_length=8192", "per_device_batch_size=0.3")
     assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [{"per_device_batch_size": 0.125}]
+
+
+def test_an_inflated_local_batch_takes_its_devices_from_the_largest_sharing_axis_first():
+    """context=2 x tensor=4 share one batch shard's 2 sequences: the same global batch,
+    one sequence a shard, takes the 2 devices from tensor (the larger axis), not from
+    context, whose split the sequence needs."""
+    over = (
+        "ici_context_parallelism=2",
+        "ici_tensor_parallelism=4",
+        "ici_fsdp_parallelism=1",
+        "per_device_batch_size=0.25",
+    )
+    assert fixes_of("LOCAL_BATCH_INFLATION", *over) == [
+        {"per_device_batch_size": 0.125},
+        {"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2},
+        {"ici_data_parallelism": 2, "ici_tensor_parallelism": 2},
+    ]
+
+
+def test_a_weight_dim_over_two_axes_keeps_the_axes_that_divide_it():
+    """base_emb_dim=36 over fsdp=2 x context=4 (8 shards) does not divide; fsdp alone
+    does, so the embed rule keeps fsdp and rests the weights unsplit over context."""
+    over = (
+        "ici_fsdp_parallelism=2",
+        "ici_context_parallelism=4",
+        "base_emb_dim=36",
+        "per_device_batch_size=0.25",
+        "axis_rules.embed=[fsdp,context]",
+    )
+    assert fixes_of("EMBED_NOT_DIVISIBLE", *over) == [{"axis_rules.embed": ["fsdp"]}]

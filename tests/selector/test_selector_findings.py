@@ -577,3 +577,23 @@ def test_an_empty_expert_group_is_offered_the_data_devices_as_experts(experts, s
     assert moves == [{"ici_data_parallelism": 8 // split, "ici_expert_parallelism": split}]
     fixed = typed(*over, f"ici_data_parallelism={8 // split}", f"ici_expert_parallelism={split}")
     assert "EXPERT_GROUP_EMPTY" not in codes(selector.validate(fixed))
+
+
+def test_a_finding_whose_fixes_all_fail_says_what_was_checked():
+    """A warning's proposed fixes that the fix search drops are named, not lost: a user
+    sees what was tried rather than a finding with no way out and no word why."""
+    from selector.findings import fix, warning
+
+    proposed = warning("X", "per_device_batch_size", "Something is off.", [fix(a=1), fix(b=2)])
+    kept = proposed.with_fixes(())
+    assert kept.fixes == ()
+    assert kept.message == (
+        "Something is off. None of the fixes checked clears it without a new error "
+        "(checked: a=1; b=2)."
+    )
+    # A reason given beside the fixes is said instead, and verified fixes are spelled.
+    reasoned = dataclasses.replace(proposed, no_fix="Use a larger chip.").with_fixes(())
+    assert reasoned.message == "Something is off. Use a larger chip."
+    assert proposed.with_fixes((fix(a=1),)).message == "Something is off. Fix: a=1."
+    many = warning("X", "s", "Off.", [fix(a=n) for n in range(5)]).with_fixes(())
+    assert many.message.endswith("(checked: a=0; a=1; a=2; and 2 more).")
