@@ -154,23 +154,28 @@ class Finding:
             **({"no_fix": self.no_fix} if self.no_fix and not self.fixes else {}),
         }
 
-    def with_fixes(self, verified: tuple[Fix, ...]) -> Finding:
+    def with_fixes(self, verified: tuple[Fix, ...], failed: tuple[Fix, ...] = ()) -> Finding:
         """The finding with only the verified fixes, spelled out in its message (a
-        finding whose fixes were spelled already is spelled again from its base)."""
+        finding whose fixes were spelled already is spelled again from its base). With
+        none verified, its reason (`no_fix`), else the fixes run that did not hold (`failed`),
+        named: a finding never loses its way out without a word."""
         base = self.base or self.message
         text = base
+        no_fix = self.no_fix
+        if not verified and not no_fix and failed:
+            shown = "; ".join(f.render() for f in failed[:TRIED_SHOWN])
+            if len(failed) > TRIED_SHOWN:
+                shown += f"; and {len(failed) - TRIED_SHOWN} more"
+            no_fix = (
+                f"No fix was found: each one checked ({shown}) leaves it standing or adds an error."
+            )
         if verified:
             text += " Fix: " + "; or ".join(f.text() for f in verified) + "."
-        elif self.no_fix:
-            text += " " + self.no_fix
-        elif self.fixes:  # proposed, and none cleared it: say what was tried
-            tried = "; ".join(f.render() for f in self.fixes[:TRIED_SHOWN])
-            if len(self.fixes) > TRIED_SHOWN:
-                tried += f"; and {len(self.fixes) - TRIED_SHOWN} more"
-            text += f" None of the fixes checked clears it without a new error (checked: {tried})."
+        elif no_fix:
+            text += " " + no_fix
         if self.tail:
             text += " " + self.tail
-        return dataclasses.replace(self, message=text, fixes=verified, base=base)
+        return dataclasses.replace(self, message=text, fixes=verified, base=base, no_fix=no_fix)
 
 
 def shown(text, limit: int = 120) -> str:

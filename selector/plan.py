@@ -236,7 +236,7 @@ def analyse(
     findings = [*given, *found]
     if not check_fixes:
         return plan, findings
-    search = _FixSearch(route, live_shape, findings)
+    search = _FixSearch(route, live_shape, findings, cfg)
     verified = [search.verified(f) for f in findings]
     findings = [f for f, _, _ in verified]
     if not any(clears_all for _, clears_all, _ in verified):
@@ -256,17 +256,20 @@ class _FixSearch:
     """The fixes of one config's findings, each run on the route and analysed once
     (a config two fixes share is analysed once)."""
 
-    def __init__(self, route: Route, live_shape, before: list[Finding]):
-        self.route, self.live_shape = route, live_shape
+    def __init__(self, route: Route, live_shape, before: list[Finding], config: Config):
+        self.route, self.live_shape, self.config = route, live_shape, config
         self.old_errors = {f.code for f in errors_in(before)}
         self._runs: dict = {}
 
     def run(self, fix_: Fix):
-        """(the fix as the route spells it, plan, findings after it), or None."""
+        """(the fix as the route spells it, plan, findings after it), or None when the
+        route cannot run it or it changes nothing."""
         routed = self.route(fix_)
         if routed is None:
             return None
         spelled, config, route_findings = routed
+        if config == self.config:  # the config as it is (param_dtype=bfloat16 already)
+            return None
         if config not in self._runs:  # one live shape for the whole search
             self._runs[config] = _analyse(config, self.live_shape)
         plan, found = self._runs[config]
@@ -275,29 +278,47 @@ class _FixSearch:
     def verified(self, finding: Finding) -> tuple[Finding, bool, list]:
         """The finding with the fixes that work, ranked by what a device then holds (the
         whole step after the fix): the lightest first, each with that number; a fix that
-        leaves a device over the chip is dropped when another fix fits. Also whether one
+        leaves a device over the chip is dropped when another fix fits. A fix that moves
+        devices and leaves only a batch error behind (the new batch shards do not divide
+        the global batch) is completed with that error's own batch fix. Also whether one
         of its fixes leaves no error at all, and the fixes kept as proposed (what a
-        joint fix merges), lightest first."""
+        joint fix merges), lightest first. With none kept, the finding names the fixes
+        that were run."""
         good = []  # (the fix as offered, with what a device then holds; as proposed)
         clears_all = False
         spelled_before = set()  # two of the finding's fixes that spell the same overrides
+        failed = []  # the fixes run that did not hold, as the route spells them
+        completions = []  # fixes completed with a batch, each run once more
         for fix_ in finding.fixes:
             ran = self.run(fix_)
+            if ran is not None and not self._clears(finding, ran[2]):
+                completed = _with_batch_fix(finding, fix_, ran[2], self.old_errors)
+                if completed is not None and (again := self.run(completed)) is not None:
+                    fix_, ran = completed, again
+                    completions.append(completed)
             if ran is None:
                 continue
             spelled, plan, after = ran
             if (key := spelled.render()) in spelled_before:
                 continue
             spelled_before.add(key)
-            new_errors = {f.code for f in errors_in(after)} - self.old_errors
-            if finding.code not in {f.code for f in after} and not new_errors:
+            if self._clears(finding, after):
                 est = plan.chosen_estimate if plan is not None else None
                 good.append((_with_device_note(spelled, est), fix_))
                 clears_all = clears_all or not errors_in(after)
+            else:
+                failed.append(spelled)
         ranked = ranked_fixes([offered for offered, _ in good])
         kept = [proposed for r in ranked for offered, proposed in good if offered is r]
-        checked = finding.with_fixes(ranked)
-        return dataclasses.replace(checked, tried=finding.tried or finding.fixes), clears_all, kept
+        checked = finding.with_fixes(ranked, failed=tuple(failed))
+        run = finding.tried or (*finding.fixes, *completions)
+        return dataclasses.replace(checked, tried=run), clears_all, kept
+
+    def _clears(self, finding: Finding, after: list[Finding]) -> bool:
+        """Whether a fix's findings (`after`) are without `finding` and without an error
+        that was not there before."""
+        new_errors = {f.code for f in errors_in(after)} - self.old_errors
+        return finding.code not in {f.code for f in after} and not new_errors
 
     def with_joint_fix(self, findings: list[Finding], kept: list) -> list[Finding]:
         """Where two or more errors stand and no single fix clears them all, one fix per
@@ -329,6 +350,36 @@ class _FixSearch:
             f.with_fixes(ranked_fixes([joint, *f.fixes])) if f.severity is Severity.error else f
             for f in findings
         ]
+
+
+# The errors a batch that does not fit the mesh raises; each offers a batch fix.
+BATCH_ERRORS = (
+    "GLOBAL_BATCH_EMPTY",
+    "GLOBAL_BATCH_FRACTIONAL",
+    "BATCH_NOT_DIVISIBLE",
+    "LOCAL_BATCH_INFLATION",
+)
+
+
+def _with_batch_fix(finding: Finding, fix_: Fix, after: list[Finding], old_errors) -> Fix | None:
+    """`fix_` with the per_device_batch_size its new mesh needs, when the only thing
+    that stops it is a new batch error (moving devices changes the batch shards, and a
+    global batch they no longer divide is an error of its own); None otherwise, or when
+    `finding` is itself about the batch or the fix already sets it."""
+    if finding.code in BATCH_ERRORS or finding.code in {f.code for f in after}:
+        return None
+    if any(k == "per_device_batch_size" for k, _ in fix_.overrides):
+        return None
+    new = [f for f in errors_in(after) if f.code not in old_errors]
+    if not new or any(f.code not in BATCH_ERRORS for f in new):
+        return None
+    batch = [x for x in new[0].fixes if [k for k, _ in x.overrides] == ["per_device_batch_size"]]
+    if not batch:
+        return None
+    (pdbs,) = [v for _, v in batch[0].overrides]
+    note = f"per_device_batch_size={pdbs:g} for the new batch shards"
+    note = f"{fix_.note}, {note}" if fix_.note else note
+    return Fix((*fix_.overrides, ("per_device_batch_size", pdbs)), note)
 
 
 def _with_device_note(fix_, est: Estimate | None):

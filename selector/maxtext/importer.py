@@ -544,10 +544,13 @@ def from_maxtext(
     cfg = Config(**values)
     maxtext_exchange = "expert_exchange" not in raw and sparse
     route_keys = {k: raw[k] for k in ROUTE_KEYS if k in raw}
+    placement_found = []
     if maxtext_exchange:
         cfg = as_maxtext_exchanges(cfg, route_keys)
+    elif sparse:
+        placement_found = placement_not_maxtexts(cfg, route_keys)
     mesh, _ = build_mesh_view(cfg, None)
-    found = routing_findings + facts(raw, cfg, mesh, sparse, megablox)
+    found = placement_found + routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
     found += mesh_not_on_torus(raw, cfg, mesh, custom.get("mesh_axes"))
     note = megablox_note(mesh, sparse)
@@ -627,6 +630,35 @@ def _expert_axis(cfg: Config) -> int:
 
 
 # Raw keys a route keeps for checking other meshes (`MaxTextImport.for_mesh`).
+def placement_not_maxtexts(cfg: Config, raw: dict) -> list[Finding]:
+    """A warning when expert_exchange= or expert_group= (this project's keys) ask for
+    another expert placement than the one MaxText 0.2.5 runs on this mesh: the numbers
+    are then layers.MoEBlock's, which a MaxText launch does not run."""
+    theirs = as_maxtext_exchanges(cfg, raw)
+    asked = (cfg.expert_exchange, cfg.expert_group)
+    if asked == (theirs.expert_exchange, theirs.expert_group):
+        return []
+    return [
+        warning(
+            "MAXTEXT_PLACEMENT_NOT_MAXTEXTS",
+            "expert_exchange",
+            f"expert_exchange={cfg.expert_exchange.value} expert_group="
+            f"{cfg.expert_group.value} are this project's settings (layers.MoEBlock): "
+            "MaxText 0.2.5 has no keys for them and runs "
+            f"expert_exchange={theirs.expert_exchange.value} here (it exchanges over "
+            "ici_expert_parallelism alone, else all-gathers the expert weights). The plan "
+            "and memory below are layers.MoEBlock's, not what this MaxText launch runs.",
+            [
+                fix(
+                    "what MaxText runs",
+                    expert_exchange=theirs.expert_exchange,
+                    expert_group=theirs.expert_group,
+                )
+            ],
+        )
+    ]
+
+
 ROUTE_KEYS = (
     "allow_split_physical_axes",
     "mesh_axes",
@@ -699,6 +731,11 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
     return dataclasses.replace(fix_, overrides=tuple(spelled))
 
 
+# This project's keys for the expert placement: MaxText 0.2.5 decides its own from
+# ici_expert_parallelism (`as_maxtext_exchanges`).
+PLACEMENT_KEYS = ("expert_exchange", "expert_group")
+
+
 def maxtext_route(path: str | Path, overrides: Sequence[str]):
     """The MaxText route for `plan.analyse`'s fix search: a fix is spelled in MaxText's
     keys and the files re-read with it as one more `key=value` (MaxText's keys move more
@@ -706,9 +743,16 @@ def maxtext_route(path: str | Path, overrides: Sequence[str]):
     the re-run's number. A fix with no MaxText spelling, or one the files refuse, is not
     run (None)."""
 
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+
     def run(fix_: Fix):
         spelled = spelled_for_maxtext(fix_)
         if spelled is None:
+            return None
+        # An expert placement MaxText is not told by its own keys is layers.MoEBlock's,
+        # not MaxText's: a fix offers it only where the check already models that block
+        # (the placement keys given on the command line).
+        if any(k in PLACEMENT_KEYS and k not in given for k, _ in spelled.overrides):
             return None
         extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
         try:

@@ -146,7 +146,13 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
     parts = est.device_breakdown or {}
     at_rest = est.state_bytes if est.step is None else est.step.at_rest
     state_bigger = at_rest >= est.device_bytes - at_rest
-    fixes = _memory_fixes(cfg, mesh, parts, state_bigger)
+    # The bytes a device may hold for the verdict to move: under the chip at the range's
+    # bottom (out of MEMORY_EXCEEDED) or at its top (out of the margin).
+    low, high = est.device_range(cfg.hardware)
+    scale = est.device_bytes / (high if est.verdict is Verdict.margin else low)
+    target = cfg.hardware.memory_gib * gib * scale
+    slices = _slices_needed(at_rest, est.device_bytes - at_rest, target)
+    fixes = _memory_fixes(cfg, mesh, parts, state_bigger, slices)
     if est.verdict is Verdict.margin:
         return [within_margin(cfg, est, fixes)]
     shown = ", ".join(
@@ -174,20 +180,39 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
             no_fix=f"None of the overrides tried (weights stored in fewer bits, experts "
             f"exchanged, more slices, a lighter step, fewer tokens a device) brings a device "
             f"under {cfg.hardware.memory_gib:g} GiB: it needs a chip with more memory "
-            "(hardware=) or a smaller model.",
+            f"(hardware=), more than {MAX_SLICE_FACTOR}x the chips, or a smaller model.",
         )
     ]
 
 
-def _memory_fixes(cfg: Config, mesh: MeshView, parts: dict, state_bigger: bool) -> list:
+# The most slices a memory fix multiplies a job by.
+MAX_SLICE_FACTOR = 64
+
+
+def _slices_needed(at_rest: float, rest: float, target: float) -> int | None:
+    """The least power-of-two factor of the chips that would bring a device under
+    `target` bytes if what rests (`at_rest`: weights, gradients, optimizer state) split
+    over the new chips and nothing else shrank; None when the rest alone is over it or
+    more than MAX_SLICE_FACTOR would be needed. A guess for the fix search to check."""
+    factor = 1
+    while at_rest / factor + rest > target:
+        factor *= 2
+        if factor > MAX_SLICE_FACTOR or rest >= target:
+            return None
+    return factor
+
+
+def _memory_fixes(
+    cfg: Config, mesh: MeshView, parts: dict, state_bigger: bool, slices: int | None = None
+) -> list:
     """Overrides that make a device hold less: weights stored in fewer bits, experts
-    exchanged, more slices, a lighter step, and (when the activations dominate) fewer
-    tokens a device."""
+    exchanged, more slices (2x, 4x, and `slices`x when more are needed), a lighter step,
+    and (when the activations dominate) fewer tokens a device."""
     return [
         fix(param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         *_exchange_fixes(mesh),
-        *_more_slices(cfg, mesh),
+        *_more_slices(cfg, mesh, slices),
         *_lighter_step(cfg, parts),
         *(_fewer_tokens(cfg, mesh) if not state_bigger else ()),
     ]
@@ -264,17 +289,18 @@ def _fewer_tokens(cfg: Config, mesh: MeshView) -> list:
     return fixes
 
 
-def _more_slices(cfg: Config, mesh: MeshView) -> list:
-    """More chips: 2x and 4x the slices (hosts), the new ones splitting the weights
-    over dcn fsdp, every other dcn size kept; the per-device batch stays, so the
-    global batch grows with the chips. Configs only: a live mesh is what it is."""
+def _more_slices(cfg: Config, mesh: MeshView, needed: int | None = None) -> list:
+    """More chips: 2x and 4x the slices (hosts), and `needed`x when that is more, the
+    new ones splitting the weights over dcn fsdp, every other dcn size kept; the
+    per-device batch stays, so the global batch grows with the chips. Configs only: a
+    live mesh is what it is."""
     if mesh.source != "config" or cfg.num_slices < 1:
         return []
     dcn = {a: mesh.dcn_product((a,)) for a in MESH_AXES}
     # A dcn -1 fill is written out, so it is not recomputed on the bigger machine.
     filled = {f"dcn_{a}_parallelism": n for a, n in dcn.items() if cfg.parallelism("dcn", a) == -1}
     fixes = []
-    for factor in (2, 4):
+    for factor in (2, 4, *([needed] if needed and needed > 4 else [])):
         slices = cfg.num_slices * factor
         changed = {
             "num_devices": mesh.num_devices * factor,

@@ -206,3 +206,42 @@ def test_a_dropless_factor_of_zero_or_below_raises_no_capacity_warning(factor):
     assert not {"CAPACITY_IGNORED", "CAPACITY_REQUIRED"} & {f.code for f in found}
     _, found = analyse(typed("dispatch=megablox", "capacity_factor=0.5"))
     assert "CAPACITY_IGNORED" in {f.code for f in found}
+
+
+def test_memory_exceeded_offers_as_many_slices_as_the_state_needs():
+    """DeepSeek-V3 on one 8-H200 host at cp 2 and 64k tokens holds about 1,470 GiB a
+    device, 1,411 of it at rest: 2x or 4x the hosts cannot help, and the error used to
+    say only a bigger chip could. The least power of two whose split of the resting state
+    gets under the chip is offered (32 hosts), and its preview is what the re-run says."""
+    over = [
+        "model=deepseek_v3",
+        "mesh=h200_8",
+        "ici_context_parallelism=2",
+        "per_device_batch_size=0.5",
+        "max_target_length=65536",
+    ]
+    _, found = analyse(selector.to_config(selector.compose(over)))
+    (memory,) = [f for f in found if f.code == "MEMORY_EXCEEDED"]
+    (chips,) = [x for x in memory.fixes if dict(x.overrides).get("num_slices")]
+    assert dict(chips.overrides)["num_slices"] == 32
+    assert dict(chips.overrides)["num_devices"] == 256
+    plan, after = analyse(selector.to_config(selector.compose([*over, *chips.render().split()])))
+    assert "MEMORY_EXCEEDED" not in {f.code for f in after}
+    assert plan.chosen_estimate.device_bytes == pytest.approx(chips.held_bytes)
+    # 16 hosts (the next power of two down) still leave the error.
+    sixteen = chips.render().replace("256", "128").replace("32", "16")
+    _, short = analyse(selector.to_config(selector.compose([*over, *sixteen.split()])))
+    assert "MEMORY_EXCEEDED" in {f.code for f in short}
+
+
+def test_a_fix_that_changes_nothing_is_neither_offered_nor_named():
+    """DeepSeek-V3 on 64 v5p already in bfloat16 is within the margin; the memory rule
+    proposes param_dtype=bfloat16 among its fixes, which here is the config as it is:
+    it is not run, and the finding's list of what was checked does not name it."""
+    over = ["model=deepseek_v3", "hardware=v5p", "mesh=v5p_128"]
+    over += ["param_dtype=bfloat16", "dtype=bfloat16"]
+    _, found = analyse(selector.to_config(selector.compose(over)))
+    (margin,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
+    assert "param_dtype=bfloat16" in [x.render() for x in margin.tried]
+    assert margin.no_fix.startswith("No fix was found: each one checked (param_dtype=float8")
+    assert "param_dtype=bfloat16" not in margin.message

@@ -362,7 +362,13 @@ def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatc
 
         return wrapper
 
-    monkeypatch.setattr(plan_module, "_analyse", counted("analyse", plan_module._analyse))
+    analysed, original = [], plan_module._analyse
+
+    def recorded(cfg, live_shape):
+        analysed.append(cfg)
+        return original(cfg, live_shape)
+
+    monkeypatch.setattr(plan_module, "_analyse", counted("analyse", recorded))
     monkeypatch.setattr(plan_module, "estimate", counted("estimate", plan_module.estimate))
     monkeypatch.setattr(
         step_module, "model_params", counted("model_params", step_module.model_params)
@@ -378,8 +384,13 @@ def test_the_analysis_runs_once_per_config_and_once_per_fix_it_checks(monkeypatc
     )
     plan, findings = plan_module.analyse(cfg)
     proposed = sum(len(f.tried) for f in findings)
-    assert proposed > 0 and any(f.severity is Severity.error for f in findings)
-    assert calls["analyse"] == 1 + proposed
+    errors = [f for f in findings if f.severity is Severity.error]
+    assert proposed > 0 and errors
+    # No config is analysed twice: the config, each fix checked (those proposed, and
+    # those completed with a batch), and at most the joint fixes' merges of the errors.
+    assert len(set(analysed)) == len(analysed) == calls["analyse"]
+    joint = plan_module.JOINT_FIX_CHOICES ** len(errors) if len(errors) > 1 else 0
+    assert 1 + proposed <= calls["analyse"] <= 1 + proposed + joint
     # The model's parameters are counted for the step once per analysis, not per
     # candidate; the block's problem is made once per analysis and placed per candidate.
     assert calls["model_params"] <= calls["analyse"] < calls["estimate"]

@@ -580,20 +580,53 @@ def test_an_empty_expert_group_is_offered_the_data_devices_as_experts(experts, s
 
 
 def test_a_finding_whose_fixes_all_fail_says_what_was_checked():
-    """A warning's proposed fixes that the fix search drops are named, not lost: a user
-    sees what was tried rather than a finding with no way out and no word why."""
+    """A finding whose fixes the fix search ran and dropped names them, in its message
+    and as its `no_fix` in the JSON: a user sees what was tried rather than a finding
+    with no way out and no word why."""
     from selector.findings import fix, warning
 
     proposed = warning("X", "per_device_batch_size", "Something is off.", [fix(a=1), fix(b=2)])
-    kept = proposed.with_fixes(())
+    kept = proposed.with_fixes((), failed=proposed.fixes)
     assert kept.fixes == ()
-    assert kept.message == (
-        "Something is off. None of the fixes checked clears it without a new error "
-        "(checked: a=1; b=2)."
-    )
+    why = "No fix was found: each one checked (a=1; b=2) leaves it standing or adds an error."
+    assert kept.message == f"Something is off. {why}"
+    assert kept.as_dict()["no_fix"] == why
     # A reason given beside the fixes is said instead, and verified fixes are spelled.
-    reasoned = dataclasses.replace(proposed, no_fix="Use a larger chip.").with_fixes(())
-    assert reasoned.message == "Something is off. Use a larger chip."
+    reasoned = dataclasses.replace(proposed, no_fix="Use a larger chip.")
+    assert reasoned.with_fixes((), failed=proposed.fixes).message == (
+        "Something is off. Use a larger chip."
+    )
     assert proposed.with_fixes((fix(a=1),)).message == "Something is off. Fix: a=1."
-    many = warning("X", "s", "Off.", [fix(a=n) for n in range(5)]).with_fixes(())
-    assert many.message.endswith("(checked: a=0; a=1; a=2; and 2 more).")
+    many = warning("X", "s", "Off.", [fix(a=n) for n in range(5)])
+    assert "(a=0; a=1; a=2; and 2 more)" in many.with_fixes((), failed=many.fixes).message
+    # Nothing run (no fix the route could spell): nothing claimed.
+    assert proposed.with_fixes(()).message == "Something is off."
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code", "completed"),
+    [
+        # fsdp=16 x context=2 on the default 64 chips: fsdp filling them puts 2 sequences
+        # on each batch shard (LOCAL_BATCH_INFLATION), unless the batch halves too.
+        (
+            ("ici_fsdp_parallelism=16", "ici_context_parallelism=2"),
+            "MESH_DEVICE_MISMATCH",
+            "ici_fsdp_parallelism=-1 per_device_batch_size=0.5",
+        ),
+        # cp=3 does not divide 64 chips; cp=2 alone leaves 2 sequences a batch shard.
+        (
+            ("ici_context_parallelism=3", "max_target_length=8190", "per_device_batch_size=0.25"),
+            "MESH_NOT_DIVISIBLE",
+            "ici_context_parallelism=2 per_device_batch_size=0.5",
+        ),
+    ],
+)
+def test_a_mesh_fix_comes_with_the_batch_its_new_shards_need(overrides, code, completed):
+    """A fix that moves devices changes the batch shards; where the only error it leaves
+    is the batch's, it is offered with that error's batch fix, and applied it leaves no
+    error (these two findings offered no fix before)."""
+    found = selector.validate(selector.to_config(selector.compose(list(overrides))))
+    (hit,) = [f for f in found if f.code == code]
+    assert completed in [x.render() for x in hit.fixes]
+    fixed = selector.to_config(selector.compose([*overrides, *completed.split()]))
+    assert not [f for f in selector.validate(fixed) if f.severity is Severity.error]

@@ -477,6 +477,34 @@ def test_the_route_picks_what_maxtext_runs_and_shows_the_exchange_beside_it(base
     assert "megablox/all_to_all" in note and "MaxText has no setting" in note
 
 
+def test_the_route_offers_no_placement_maxtext_cannot_be_told(base, capsys):
+    """DeepSeek-V3 on v5p-512 at cp 4 and 32k tokens is within the margin (exit 3). The
+    exchange over fsdp and context would bring it to 62.8 GiB, but MaxText 0.2.5 has no
+    key for that placement: the route does not offer it as a fix, and given by hand it
+    is a warning that the numbers are layers.MoEBlock's, whose fix is what MaxText runs."""
+    args = [
+        f"maxtext_config={base}",
+        "model_name=deepseek3-671b",
+        "compile_topology=v5p-512",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.25",
+        "max_target_length=32768",
+    ]
+    status, got = _route_json(args, capsys)
+    (margin,) = [f for f in got["findings"] if f["code"] == "MEMORY_WITHIN_MARGIN"]
+    assert status == 3
+    assert not any("expert_exchange" in x for x in margin["fixes"])
+    assert "expert_exchange" not in margin.get("no_fix", "")
+    placed = [*args, "expert_exchange=all_to_all", "expert_group=expert_sequence_and_fsdp"]
+    status, got = _route_json(placed, capsys)
+    (warned,) = [f for f in got["findings"] if f["code"] == "MAXTEXT_PLACEMENT_NOT_MAXTEXTS"]
+    assert status == 0 and warned["severity"] == "warning"
+    assert warned["fixes"] == ["expert_exchange=gather expert_group=auto"]
+    # Giving MaxText's own placement by hand says nothing.
+    status, got = _route_json([*args, "expert_exchange=gather"], capsys)
+    assert "MAXTEXT_PLACEMENT_NOT_MAXTEXTS" not in {f["code"] for f in got["findings"]}
+
+
 def _route_json(args: list[str], capsys) -> tuple[int, dict]:
     status = main([*args, "output=json"])
     out = capsys.readouterr().out
