@@ -471,10 +471,14 @@ def summary(rows: list[list[str]], status: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return run(args)
     except _Usage as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if "output=json" in (a.replace(" ", "") for a in args):
+            # A script reading the JSON gets one object for unusable input too.
+            print(json.dumps({"ok": False, "exit_status": EXIT_USAGE, "error": str(exc)}))
         return EXIT_USAGE
     except RecursionError:  # a value nested thousands deep, in an override or a file
         print(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import Config
+from ..config import Config, ContextStrategy
 from ..findings import Finding, Fix, error, fix
 from ..mesh import MeshView
 from ..step_memory import REMAT_SAVES
@@ -131,6 +131,45 @@ def tensor_splits_whole_heads(cfg: Config, mesh: MeshView, dev=None) -> list[Fin
     ]
 
 
+def ulysses_splits_whole_heads(cfg: Config, mesh: MeshView, dev=None) -> list[Finding]:
+    """Ulysses attention trades a device's sequence shard for a share of the heads over
+    its axis (`context` under context_parallel_strategy=ulysses, `context_usp_ulysses`
+    under usp): the query and key/value heads a device holds after the tensor split must
+    each be a multiple of that axis, and a single key/value head cannot be shared out.
+    MaxText 0.2.5 refuses the layout when it builds the attention (read in its
+    kernels/attention/ulysses_attention.py, validate_head_sharding; not run)."""
+    strategy = cfg.context_parallel_strategy
+    if strategy not in (ContextStrategy.ulysses, ContextStrategy.usp):
+        return []
+    axis = "context" if strategy is ContextStrategy.ulysses else "context_usp_ulysses"
+    size, tensor = mesh.size(axis), mesh.size("tensor")
+    if size <= 1 or cfg.attention_type != "global":
+        return []
+    heads = {"base_num_query_heads": cfg.base_num_query_heads}
+    heads["base_num_kv_heads"] = cfg.base_num_kv_heads
+    bad = [(k, n) for k, n in heads.items() if n % tensor or (n // tensor) % size]
+    if not bad and cfg.base_num_kv_heads > 1:
+        return []
+    name, n = bad[-1] if bad else ("base_num_kv_heads", cfg.base_num_kv_heads)
+    return [
+        error(
+            "ULYSSES_SPLITS_HEADS",
+            "context_parallel_strategy",
+            f"context_parallel_strategy={strategy.value} shares each device's heads out over "
+            f"{axis}={size}, but {name}={n} leaves {n / tensor:g} a device after tensor="
+            f"{tensor}, not a multiple of {size}"
+            + (" (and a single key/value head cannot be shared)" if n == 1 else "")
+            + ". MaxText 0.2.5 refuses this when it builds the attention. All-gathering the "
+            "keys and values needs no head split.",
+            [fix(context_parallel_strategy=ContextStrategy.all_gather)],
+        )
+    ]
+
+
 MODEL_RULES = (known_remat_policy, known_attention, decoder_sizes)
 # Rules that read the mesh: they run beside the layout rules, after the mesh is known.
-MODEL_LAYOUT_RULES = (recurrence_needs_ordered_shards, tensor_splits_whole_heads)
+MODEL_LAYOUT_RULES = (
+    recurrence_needs_ordered_shards,
+    tensor_splits_whole_heads,
+    ulysses_splits_whole_heads,
+)

@@ -61,6 +61,20 @@ def test_unusable_overrides_exit_2_with_one_paragraph(override, expect):
     assert out.stderr.strip().count("\n") == 0  # one paragraph
 
 
+def test_unusable_input_with_json_output_prints_one_json_object(capsys):
+    """output=json with input that cannot be read: the paragraph on stderr as always,
+    and on stdout one object a launch script can parse, with the exit status."""
+    from selector.cli import main
+
+    out = run("ici_contxt_parallelism=2", "output=json")
+    assert out.returncode == 2 and "Did you mean" in out.stderr
+    data = json.loads(out.stdout)
+    assert data["ok"] is False and data["exit_status"] == 2
+    assert "Did you mean ici_context_parallelism" in data["error"]
+    assert main(["ici_contxt_parallelism=2"]) == 2
+    assert capsys.readouterr().out == ""  # text output: the paragraph alone, on stderr
+
+
 def test_json_output_for_launch_scripts():
     out = run(*REPORTED, "per_device_batch_size=0.25", "output=json")
     assert out.returncode == 0

@@ -23,6 +23,37 @@ DECODE_EP = (
 # (code, severity, overrides that trigger it, near overrides that do not)
 CASES = [
     (
+        "ULYSSES_SPLITS_HEADS",
+        "error",
+        # Ulysses over context=4 with the tiny model's 2 key/value heads; over 2 they divide.
+        (
+            "context_parallel_strategy=ulysses",
+            "ici_context_parallelism=4",
+            "per_device_batch_size=0.25",
+        ),
+        (
+            "context_parallel_strategy=ulysses",
+            "ici_context_parallelism=2",
+            "per_device_batch_size=0.5",
+        ),
+    ),
+    (
+        "ULYSSES_SPLITS_HEADS",
+        "error",
+        # usp: the Ulysses share is context_usp_ulysses; context=4 beside it is a ring.
+        (
+            "context_parallel_strategy=usp",
+            "ici_context_usp_ulysses_parallelism=4",
+            "per_device_batch_size=0.25",
+        ),
+        (
+            "context_parallel_strategy=usp",
+            "ici_context_parallelism=4",
+            "ici_context_usp_ulysses_parallelism=1",
+            "per_device_batch_size=0.25",
+        ),
+    ),
+    (
         "TENSOR_SPLITS_HEADS",
         "error",
         # 2 key/value heads over tensor=4 (MaxText's compile refused it for Qwen3-Next).
