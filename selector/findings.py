@@ -76,6 +76,9 @@ class Fix:
     held_bytes: float | None = None
     fits: bool | None = None
     joint: bool = False  # one fix per error merged, offered first on each it clears
+    # The fixed config's memory verdict ("yes", "no", "margin": within the estimate's
+    # margin, compile to be sure); None when it was not estimated.
+    verdict: str | None = None
 
     def render(self) -> str:
         return " ".join(f"{k}={render_value(v)}" for k, v in self.overrides)
@@ -83,7 +86,10 @@ class Fix:
     def text(self) -> str:
         notes = [self.note] if self.note else []
         if self.held_bytes is not None:
-            notes.append(f"a device then holds {self.held_bytes / 2**30:.3g} GiB")
+            held = f"a device then holds {self.held_bytes / 2**30:.3g} GiB"
+            if self.verdict == "margin":
+                held += ", within the memory margin"
+            notes.append(held)
         return f"{self.render()} ({'; '.join(notes)})" if notes else self.render()
 
 
@@ -151,6 +157,17 @@ class Finding:
             "setting": self.setting,
             "message": self.message,
             "fixes": [f.render() for f in self.fixes],
+            # The same fixes for a script: what each sets, what a device then holds, and
+            # the memory verdict then (yes, no, or margin: compile to be sure).
+            "fix_details": [
+                {
+                    "overrides": {k: render_value(v) for k, v in f.overrides},
+                    "note": f.note,
+                    "device_gib": None if f.held_bytes is None else f.held_bytes / 2**30,
+                    "verdict": f.verdict,
+                }
+                for f in self.fixes
+            ],
             **({"no_fix": self.no_fix} if self.no_fix and not self.fixes else {}),
         }
 

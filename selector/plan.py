@@ -264,12 +264,12 @@ class _FixSearch:
     def run(self, fix_: Fix):
         """(the fix as the route spells it, plan, findings after it), or None when the
         route cannot run it or it changes nothing."""
+        if _changes_nothing(self.config, fix_):  # param_dtype=bfloat16 where it is already
+            return None
         routed = self.route(fix_)
         if routed is None:
             return None
         spelled, config, route_findings = routed
-        if config == self.config:  # the config as it is (param_dtype=bfloat16 already)
-            return None
         if config not in self._runs:  # one live shape for the whole search
             self._runs[config] = _analyse(config, self.live_shape)
         plan, found = self._runs[config]
@@ -352,6 +352,15 @@ class _FixSearch:
         ]
 
 
+def _changes_nothing(cfg: Config, fix_: Fix) -> bool:
+    """Whether every override of `fix_` is a setting of `cfg` at the value it has (a key
+    only a route reads, such as MaxText's allow_split_physical_axes, changes something)."""
+    try:
+        return cfg.apply(fix_.overrides) == cfg
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return False
+
+
 # The errors a batch that does not fit the mesh raises; each offers a batch fix.
 BATCH_ERRORS = (
     "GLOBAL_BATCH_EMPTY",
@@ -385,7 +394,9 @@ def _with_batch_fix(finding: Finding, fix_: Fix, after: list[Finding], old_error
 def _with_device_note(fix_, est: Estimate | None):
     if est is None:
         return fix_
-    return dataclasses.replace(fix_, held_bytes=est.device_bytes, fits=est.fits)
+    return dataclasses.replace(
+        fix_, held_bytes=est.device_bytes, fits=est.fits, verdict=est.verdict.value
+    )
 
 
 def _experts_split(cfg: Config, mesh: MeshView, live_shape) -> tuple[dict, Estimate] | None:

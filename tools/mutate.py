@@ -157,6 +157,7 @@ PARTS = {
     "settings": {
         "modules": ("selector/rules/settings.py", "selector/rules/model.py"),
         "tests": (
+            "tests/selector/test_rules_settings.py",
             "tests/selector/test_selector_findings.py",
             "tests/selector/test_whole_model.py",
             "tests/selector/test_selector_api.py",

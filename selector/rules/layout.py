@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
-from ..config import Config, Mode
+from ..config import MESH_AXES, Config, Mode
 from ..findings import Finding, error, fix, render_value, warning
 from ..mesh import MeshView
 from ..per_device import PerDevice, is_whole
-from .moves import move
+from ..targets import GPU_PER_HOST
+from .moves import ici_sizes, move
 
 
 def fmt(x: float) -> str:
@@ -308,6 +309,11 @@ def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]
             overrides["per_device_batch_size"] = shards / dev.num_devices
             note += f", one sequence per batch shard (global batch {shards})"
         fixes.append(fix(note, **overrides))
+    # Or to MaxText's decode axis: the cache stays split as it was, and the MoE block's
+    # copy of the token is repeated there (DECODE_TOKEN_REPEATED says how to split it).
+    kept = move(cfg, mesh, {a: 1 for a in axes}, to=DECODE_AXIS)
+    if kept:
+        fixes.append(fix(f"moves the sequence devices to {DECODE_AXIS}", **dict(kept)))
     return findings + [
         error(
             "DECODE_CONTEXT_PARALLEL",
@@ -353,6 +359,54 @@ def _decode_token_repeated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
     ]
 
 
+def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
+    """On GPUs a slice is one host: its GPUs_PER_HOST GPUs share NVLink, and hosts talk
+    over the network. A config slice of more GPUs prices every collective among them at
+    NVLink's bandwidth (`hardware.ici_bandwidth_gbps`), which the hosts do not have, so
+    the exchange and the weights' gathers are priced as if they were local."""
+    if cfg.hardware.platform != "gpu" or mesh.source != "config":
+        return []
+    per_slice = mesh.num_devices // max(cfg.num_slices, 1)
+    if per_slice <= GPU_PER_HOST or per_slice % GPU_PER_HOST:
+        return []
+    hosts = per_slice // GPU_PER_HOST
+    ici = ici_sizes(mesh)
+    fixes = []
+    for axis in ("fsdp", "data"):  # the hosts split the weights (fsdp), or repeat them
+        if ici[axis] % hosts:
+            continue
+        tiers = {
+            "dcn": {a: mesh.dcn_product((a,)) * (hosts if a == axis else 1) for a in MESH_AXES},
+            "ici": {a: n // hosts if a == axis else n for a, n in ici.items()},
+        }
+        # Every size written out where the knob differs (a -1 fill would fill anew).
+        knobs = {
+            f"{tier}_{a}_parallelism": n
+            for tier, sizes in tiers.items()
+            for a, n in sizes.items()
+            if cfg.parallelism(tier, a) != n
+        }
+        fixes.append(
+            fix(
+                f"{hosts * cfg.num_slices} slices of {GPU_PER_HOST} GPUs, {axis} across them",
+                num_slices=cfg.num_slices * hosts,
+                **knobs,
+            )
+        )
+    return [
+        warning(
+            "GPU_HOSTS_IN_ONE_SLICE",
+            "num_slices",
+            f"num_slices={cfg.num_slices} puts {per_slice} {cfg.hardware.name} GPUs in a "
+            f"slice, but a host holds {GPU_PER_HOST}: the {hosts} hosts of each slice talk "
+            f"over the network, while every collective here is priced at NVLink's "
+            f"{cfg.hardware.ici_bandwidth_gbps:g} GB/s. Spell the hosts as slices (the dcn "
+            "axes say which collectives cross them) for times the network allows.",
+            fixes,
+        )
+    ]
+
+
 LAYOUT_RULES = (
     global_batch_whole,
     batch_divides_shards,
@@ -361,4 +415,5 @@ LAYOUT_RULES = (
     weights_divide_axes,
     tokens_replicated,
     decode_context,
+    gpu_hosts_in_one_slice,
 )

@@ -183,3 +183,38 @@ def test_a_weight_dim_over_two_axes_keeps_the_axes_that_divide_it():
         "axis_rules.embed=[fsdp,context]",
     )
     assert fixes_of("EMBED_NOT_DIVISIBLE", *over) == [{"axis_rules.embed": ["fsdp"]}]
+
+
+def test_gpus_of_two_hosts_in_one_slice_are_offered_the_hosts_as_slices():
+    """16 H200s in one slice would price fsdp's collectives at NVLink's bandwidth over
+    two hosts: the warning offers the hosts as 2 slices with fsdp across them, which
+    prices the crossing at the network's and clears it; 8 GPUs (one host) say nothing."""
+    over = ("hardware=h200", "num_devices=16")
+    (spelled,) = fixes_of("GPU_HOSTS_IN_ONE_SLICE", *over)
+    assert spelled == {
+        "num_slices": 2,
+        "dcn_data_parallelism": 1,
+        "dcn_fsdp_parallelism": 2,
+        "ici_fsdp_parallelism": 8,
+    }
+    one, found = analyse(typed(*over))
+    fixed, after = analyse(typed(*over, *(f"{k}={v}" for k, v in spelled.items())))
+    assert "GPU_HOSTS_IN_ONE_SLICE" not in {f.code for f in after}
+    assert fixed.chosen_estimate.time_s > one.chosen_estimate.time_s  # the network is slower
+    _, eight = analyse(typed("hardware=h200"))
+    assert "GPU_HOSTS_IN_ONE_SLICE" not in {f.code for f in eight}
+
+
+def test_context_devices_at_decode_are_offered_the_decode_axis_or_data():
+    """cp=4 at decode cannot split one new token: its devices move to
+    context_autoregressive (MaxText's decode axis; the cache stays split over them, the
+    lighter fix) or to data (four times the sequences a shard holds)."""
+    over = ("mode=decode", "ici_context_parallelism=4", "per_device_batch_size=1")
+    assert fixes_of("DECODE_CONTEXT_PARALLEL", *over) == [
+        {
+            "ici_fsdp_parallelism": 2,
+            "ici_context_parallelism": 1,
+            "ici_context_autoregressive_parallelism": 4,
+        },
+        {"ici_data_parallelism": 4, "ici_fsdp_parallelism": 2, "ici_context_parallelism": 1},
+    ]

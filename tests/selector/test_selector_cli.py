@@ -84,6 +84,14 @@ def test_json_output_for_launch_scripts():
     bad = json.loads(run(*REPORTED, "per_device_batch_size=1", "output=json").stdout)
     assert bad["ok"] is False
     assert [f["code"] for f in bad["findings"]] == ["LOCAL_BATCH_INFLATION"]
+    # Each fix for a script: its overrides as typed, what a device then holds, and the
+    # memory verdict then (the devices moved to data land within the margin).
+    (inflation,) = bad["findings"]
+    details = inflation["fix_details"]
+    assert [d["overrides"] for d in details][0] == {"per_device_batch_size": "0.25"}
+    assert [d["verdict"] for d in details] == ["yes", "yes", "margin"]
+    assert details[2]["device_gib"] == pytest.approx(94.2, abs=0.05)
+    assert "94.2 GiB, within the memory margin)" in " ".join(inflation["message"].split())
 
 
 # The README's two multirun examples: one that passes, one whose worst job fails.

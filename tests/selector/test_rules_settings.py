@@ -1,0 +1,109 @@
+"""The rules on plain values and on the decoder's settings: the setting each finding
+names and the fixes it offers, as the overrides a user would type (each checked by the
+fix search, so a fix that does not clear its finding is not offered)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import typed
+
+from selector.config import GmmBackend
+from selector.plan import analyse
+
+
+def found_of(code: str, *overrides: str):
+    _, found = analyse(typed(*overrides))
+    (finding,) = [f for f in found if f.code == code]
+    return finding.setting, [dict(x.overrides) for x in finding.fixes]
+
+
+@pytest.mark.parametrize(
+    ("code", "overrides", "setting", "fixes"),
+    [
+        (
+            "ATTENTION_TYPE_UNKNOWN",
+            ("attention_type=foo",),
+            "attention_type",
+            [{"attention_type": "global"}, {"attention_type": "mla"}],
+        ),
+        (
+            "VALUE_TYPE_INVALID",
+            ("hardware.jax_version=abc",),
+            "hardware.jax_version",
+            [{"hardware.jax_version": "auto"}],
+        ),
+        (
+            "SHARED_GATE_WITHOUT_EXPERTS",
+            ("shared_expert_gate=true", "shared_experts=0"),
+            "shared_expert_gate",
+            [{"shared_expert_gate": False}, {"shared_experts": 1}],
+        ),
+        (
+            "GMM_BACKEND_DENSE_WORK",
+            ("gmm_backend=ragged_dot",),
+            "gmm_backend",
+            [{"gmm_backend": GmmBackend.tiled_gmm}],
+        ),
+        # 2 key/value heads over tensor=4: tensor 2, its other devices to context, fsdp,
+        # expert or data (the last three with the batch their new shards need).
+        (
+            "TENSOR_SPLITS_HEADS",
+            ("ici_tensor_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"),
+            "ici_tensor_parallelism",
+            [
+                {"ici_context_parallelism": 2, "ici_tensor_parallelism": 2},
+                {
+                    "ici_fsdp_parallelism": 4,
+                    "ici_tensor_parallelism": 2,
+                    "per_device_batch_size": 0.5,
+                },
+                {
+                    "ici_tensor_parallelism": 2,
+                    "ici_expert_parallelism": 2,
+                    "per_device_batch_size": 0.5,
+                },
+                {
+                    "ici_data_parallelism": 2,
+                    "ici_tensor_parallelism": 2,
+                    "per_device_batch_size": 0.5,
+                },
+            ],
+        ),
+    ],
+)
+def test_a_settings_finding_names_its_setting_and_offers_its_fixes(code, overrides, setting, fixes):
+    assert found_of(code, *overrides) == (setting, fixes)
+
+
+def test_tensor_splits_heads_names_the_heads_it_cannot_split():
+    """The tiny model's 4 query heads divide over tensor=4, its 2 key/value heads do not:
+    the message names the key/value heads and their number."""
+    _, found = analyse(
+        typed("ici_tensor_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=0.25")
+    )
+    (heads,) = [f for f in found if f.code == "TENSOR_SPLITS_HEADS"]
+    assert "base_num_kv_heads=2" in heads.message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # 6 experts do not split into 4 groups, though 4 groups of one would hold k=2.
+        ("num_experts=6", "n_routing_groups=4", "topk_routing_group=4"),
+        # One expert cannot split into 2 groups.
+        ("num_experts=1", "num_experts_per_tok=1", "n_routing_groups=2", "topk_routing_group=1"),
+    ],
+)
+def test_routing_groups_that_do_not_split_the_experts_are_an_error(overrides):
+    setting, fixes = found_of("ROUTING_GROUPS_INVALID", *overrides)
+    assert setting == "n_routing_groups"
+    assert fixes == [{"n_routing_groups": -1, "topk_routing_group": -1}]
+
+
+def test_mla_sizes_are_checked_only_for_mla():
+    """kv_lora_rank=0 cannot size MLA's latent; under global attention MLA's sizes are
+    not read, and the same value says nothing."""
+    setting, _ = found_of("DECODER_SIZE_INVALID", "attention_type=mla", "kv_lora_rank=0")
+    assert setting == "kv_lora_rank"
+    _, found = analyse(typed("kv_lora_rank=0"))
+    assert "DECODER_SIZE_INVALID" not in {f.code for f in found}
