@@ -15,6 +15,7 @@ cores.
     python -m tools.mutate step --module selector/architecture.py   # one module, every mutant
     python -m tools.mutate layout --sample 40 --seed 0   # the batch and mesh rules, sampled
     python -m tools.mutate settings --sample 60 --seed 0   # the rules on plain values
+    python -m tools.mutate fixes --function verified      # the fix search, one function
 
 Each part has its own modules and its own tests (PARTS): every selector test reaches
 every selector function through `resolve`, so a surviving mutant costs its part's whole
@@ -164,6 +165,20 @@ PARTS = {
             "tests/selector/test_selector_decisions.py",
             "tests/selector/test_rules_strategy.py",
             "tests/selector/maxtext/test_maxtext.py",
+        ),
+    },
+    # The fix search every finding's fixes pass through (each run on the route and kept
+    # when it clears its finding; a device move completed with its batch), against the
+    # tests that pin fixes.
+    "fixes": {
+        "modules": ("selector/plan.py",),
+        "tests": (
+            "tests/selector/test_selector_findings.py",
+            "tests/selector/test_rules_layout.py",
+            "tests/selector/test_rules_settings.py",
+            "tests/selector/test_rules_strategy.py",
+            "tests/selector/test_selector_decisions.py",
+            "tests/selector/maxtext/test_maxtext_torus.py",
         ),
     },
     # The MaxText route's torus check, against JAX's own assignment and MaxText's files.
