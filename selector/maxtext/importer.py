@@ -629,7 +629,6 @@ def _expert_axis(cfg: Config) -> int:
     return cfg.ici_expert_parallelism * max(cfg.dcn_expert_parallelism, 1)
 
 
-# Raw keys a route keeps for checking other meshes (`MaxTextImport.for_mesh`).
 def placement_not_maxtexts(cfg: Config, raw: dict) -> list[Finding]:
     """A warning when expert_exchange= or expert_group= (this project's keys) ask for
     another expert placement than the one MaxText 0.2.5 runs on this mesh: the numbers
@@ -659,6 +658,7 @@ def placement_not_maxtexts(cfg: Config, raw: dict) -> list[Finding]:
     ]
 
 
+# Raw keys a route keeps for checking other meshes (`MaxTextImport.for_mesh`).
 ROUTE_KEYS = (
     "allow_split_physical_axes",
     "mesh_axes",

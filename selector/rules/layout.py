@@ -360,7 +360,7 @@ def _decode_token_repeated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
 
 
 def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
-    """On GPUs a slice is one host: its GPUs_PER_HOST GPUs share NVLink, and hosts talk
+    """On GPUs a slice is one host: its GPU_PER_HOST GPUs share NVLink, and hosts talk
     over the network. A config slice of more GPUs prices every collective among them at
     NVLink's bandwidth (`hardware.ici_bandwidth_gbps`), which the hosts do not have, so
     the exchange and the weights' gathers are priced as if they were local."""
