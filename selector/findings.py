@@ -209,8 +209,11 @@ def error(
     return Finding(code, Severity.error, setting, message, tuple(fixes), tail, "", no_fix)
 
 
-def warning(code: str, setting: str, message: str, fixes=(), tail: str = "") -> Finding:
-    return Finding(code, Severity.warning, setting, message, tuple(fixes), tail)
+def warning(
+    code: str, setting: str, message: str, fixes=(), tail: str = "", no_fix: str = ""
+) -> Finding:
+    """A warning finding: `fixes` to try, or `no_fix` saying why no override can help."""
+    return Finding(code, Severity.warning, setting, message, tuple(fixes), tail, "", no_fix)
 
 
 def errors_in(findings) -> list[Finding]:

@@ -549,6 +549,8 @@ def from_maxtext(
         cfg = as_maxtext_exchanges(cfg, route_keys)
     elif sparse:
         placement_found = placement_not_maxtexts(cfg, route_keys)
+        if not placement_found:  # MaxText's own placement, given: with its receive buffer
+            cfg = as_maxtext_exchanges(cfg, route_keys)
     mesh, _ = build_mesh_view(cfg, None)
     found = placement_found + routing_findings + facts(raw, cfg, mesh, sparse, megablox)
     found += sharding_not_modelled(raw, base)
@@ -644,9 +646,10 @@ def placement_not_maxtexts(cfg: Config, raw: dict) -> list[Finding]:
             f"expert_exchange={cfg.expert_exchange.value} expert_group="
             f"{cfg.expert_group.value} are this project's settings (layers.MoEBlock): "
             "MaxText 0.2.5 has no keys for them and runs "
-            f"expert_exchange={theirs.expert_exchange.value} here (it exchanges over "
-            "ici_expert_parallelism alone, else all-gathers the expert weights). The plan "
-            "and memory below are layers.MoEBlock's, not what this MaxText launch runs.",
+            f"expert_exchange={theirs.expert_exchange.value} expert_group="
+            f"{theirs.expert_group.value} here (it exchanges over ici_expert_parallelism "
+            "alone, else all-gathers the expert weights). The plan and memory below are "
+            "layers.MoEBlock's, not what this MaxText launch runs.",
             [
                 fix(
                     "what MaxText runs",
@@ -731,6 +734,19 @@ def spelled_for_maxtext(fix_: Fix) -> Fix | None:
     return dataclasses.replace(fix_, overrides=tuple(spelled))
 
 
+def _as_topology_slices(fix_: Fix) -> Fix:
+    """A fix's slices as MaxText's ahead-of-time target counts them: with
+    compile_topology the chips a slice are the topology's, and the slices are
+    compile_topology_num_slices (num_devices and num_slices are not read there)."""
+    spelled = []
+    for key, value in fix_.overrides:
+        if key == "num_slices":
+            spelled.append(("compile_topology_num_slices", value))
+        elif key != "num_devices":
+            spelled.append((key, value))
+    return dataclasses.replace(fix_, overrides=tuple(spelled))
+
+
 # This project's keys for the expert placement: MaxText 0.2.5 decides its own from
 # ici_expert_parallelism (`as_maxtext_exchanges`).
 PLACEMENT_KEYS = ("expert_exchange", "expert_group")
@@ -749,15 +765,17 @@ def maxtext_route(path: str | Path, overrides: Sequence[str]):
         spelled = spelled_for_maxtext(fix_)
         if spelled is None:
             return None
-        # An expert placement MaxText is not told by its own keys is layers.MoEBlock's,
-        # not MaxText's: a fix offers it only where the check already models that block
-        # (the placement keys given on the command line).
-        if any(k in PLACEMENT_KEYS and k not in given for k, _ in spelled.overrides):
-            return None
+        if "compile_topology" in given:
+            spelled = _as_topology_slices(spelled)
         extra = [f"{k}={render_value(v)}" for k, v in spelled.overrides]
         try:
             imported = from_maxtext(path, [*overrides, *extra])
         except (MaxTextError, ValueError, TypeError):
+            return None
+        # An expert placement MaxText has no keys for is layers.MoEBlock's, not
+        # MaxText's: a fix that sets one is not a fix of a MaxText launch.
+        placed = any(k in PLACEMENT_KEYS for k, _ in spelled.overrides)
+        if placed and "MAXTEXT_PLACEMENT_NOT_MAXTEXTS" in {f.code for f in imported.findings}:
             return None
         return spelled, imported.config, imported.findings
 

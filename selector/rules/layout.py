@@ -367,14 +367,17 @@ def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
     if cfg.hardware.platform != "gpu" or mesh.source != "config":
         return []
     per_slice = mesh.num_devices // max(cfg.num_slices, 1)
-    if per_slice <= GPU_PER_HOST or per_slice % GPU_PER_HOST:
+    if per_slice <= GPU_PER_HOST:
         return []
-    hosts = per_slice // GPU_PER_HOST
+    hosts = per_slice // GPU_PER_HOST if per_slice % GPU_PER_HOST == 0 else 0
     ici = ici_sizes(mesh)
     fixes = []
-    for axis in ("fsdp", "data"):  # the hosts split the weights (fsdp), or repeat them
-        if ici[axis] % hosts:
-            continue
+    # The axis that spans the hosts: fsdp (the weights split over them) or data (repeated
+    # there) first, else any other whose devices fill whole hosts.
+    spans = [a for a in ("fsdp", "data", *MESH_AXES) if hosts and ici[a] % hosts == 0]
+    for axis in dict.fromkeys(spans):
+        if len(fixes) == 2:
+            break
         tiers = {
             "dcn": {a: mesh.dcn_product((a,)) * (hosts if a == axis else 1) for a in MESH_AXES},
             "ici": {a: n // hosts if a == axis else n for a, n in ici.items()},
@@ -398,11 +401,18 @@ def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
             "GPU_HOSTS_IN_ONE_SLICE",
             "num_slices",
             f"num_slices={cfg.num_slices} puts {per_slice} {cfg.hardware.name} GPUs in a "
-            f"slice, but a host holds {GPU_PER_HOST}: the {hosts} hosts of each slice talk "
-            f"over the network, while every collective here is priced at NVLink's "
+            f"slice, but a host holds {GPU_PER_HOST}: the {math.ceil(per_slice / GPU_PER_HOST)} "
+            "hosts of each slice talk over the network, while every collective here is "
+            "priced at NVLink's "
             f"{cfg.hardware.ici_bandwidth_gbps:g} GB/s. Spell the hosts as slices (the dcn "
             "axes say which collectives cross them) for times the network allows.",
             fixes,
+            no_fix=f"No fix is offered: {per_slice} GPUs a slice are not whole hosts of "
+            f"{GPU_PER_HOST}; set num_slices to the hosts."
+            if not hosts
+            else f"No fix is offered: no mesh axis has a multiple of {hosts} devices in a "
+            "slice to span the hosts; set num_slices and the dcn_*_parallelism sizes "
+            "that match your hosts.",
         )
     ]
 

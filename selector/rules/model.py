@@ -166,10 +166,36 @@ def ulysses_splits_whole_heads(cfg: Config, mesh: MeshView, dev=None) -> list[Fi
     ]
 
 
+def context_strategy_axes(cfg: Config, mesh: MeshView, dev=None) -> list[Finding]:
+    """MaxText 0.2.5 builds Ulysses attention only over a split context axis, and USP
+    only over a split context axis and a split context_usp_ulysses axis (it raises
+    otherwise: layers/attention_op.py, read; not run)."""
+    strategy = cfg.context_parallel_strategy
+    if strategy not in (ContextStrategy.ulysses, ContextStrategy.usp):
+        return []
+    axes = ["context", *(["context_usp_ulysses"] if strategy is ContextStrategy.usp else [])]
+    unsplit = [a for a in axes if mesh.size(a) <= 1]
+    if not unsplit:
+        return []
+    return [
+        error(
+            "CONTEXT_STRATEGY_AXES",
+            "context_parallel_strategy",
+            f"context_parallel_strategy={strategy.value} needs "
+            + " and ".join(f"{a} > 1" for a in axes)
+            + f", but {' and '.join(f'{a}={mesh.size(a)}' for a in unsplit)}: MaxText "
+            "0.2.5 raises when it builds the attention. All-gathering the keys and values "
+            "runs on any context axis.",
+            [fix(context_parallel_strategy=ContextStrategy.all_gather)],
+        )
+    ]
+
+
 MODEL_RULES = (known_remat_policy, known_attention, decoder_sizes)
 # Rules that read the mesh: they run beside the layout rules, after the mesh is known.
 MODEL_LAYOUT_RULES = (
     recurrence_needs_ordered_shards,
     tensor_splits_whole_heads,
     ulysses_splits_whole_heads,
+    context_strategy_axes,
 )

@@ -218,3 +218,21 @@ def test_context_devices_at_decode_are_offered_the_decode_axis_or_data():
         },
         {"ici_data_parallelism": 4, "ici_fsdp_parallelism": 2, "ici_context_parallelism": 1},
     ]
+
+
+def test_gpus_that_are_not_whole_hosts_or_span_them_only_by_context_are_said_so():
+    """16 H100s whose only split is context=16: context spans the two hosts. 12 H100s
+    in one slice are not whole hosts: the warning says why it offers no fix."""
+    over = ("hardware=h100", "num_devices=16", "ici_fsdp_parallelism=1")
+    over += ("ici_context_parallelism=16", "per_device_batch_size=0.0625")
+    assert fixes_of("GPU_HOSTS_IN_ONE_SLICE", *over) == [
+        {
+            "num_slices": 2,
+            "dcn_data_parallelism": 1,
+            "dcn_context_parallelism": 2,
+            "ici_context_parallelism": 8,
+        }
+    ]
+    _, found = analyse(typed("hardware=h100", "num_devices=12"))
+    (hosts,) = [f for f in found if f.code == "GPU_HOSTS_IN_ONE_SLICE"]
+    assert not hosts.fixes and "12 GPUs a slice are not whole hosts of 8" in hosts.no_fix

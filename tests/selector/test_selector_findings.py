@@ -48,8 +48,23 @@ CASES = [
         ),
         (
             "context_parallel_strategy=usp",
+            "ici_context_parallelism=2",
+            "ici_context_usp_ulysses_parallelism=2",
+            "per_device_batch_size=0.25",
+        ),
+    ),
+    (
+        "CONTEXT_STRATEGY_AXES",
+        "error",
+        # usp needs both its axes split: context=4 alone is not usp.
+        (
+            "context_parallel_strategy=usp",
             "ici_context_parallelism=4",
-            "ici_context_usp_ulysses_parallelism=1",
+            "per_device_batch_size=0.25",
+        ),
+        (
+            "context_parallel_strategy=ring",
+            "ici_context_parallelism=4",
             "per_device_batch_size=0.25",
         ),
     ),

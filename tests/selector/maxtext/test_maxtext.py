@@ -500,9 +500,39 @@ def test_the_route_offers_no_placement_maxtext_cannot_be_told(base, capsys):
     (warned,) = [f for f in got["findings"] if f["code"] == "MAXTEXT_PLACEMENT_NOT_MAXTEXTS"]
     assert status == 0 and warned["severity"] == "warning"
     assert warned["fixes"] == ["expert_exchange=gather expert_group=auto"]
-    # Giving MaxText's own placement by hand says nothing.
-    status, got = _route_json([*args, "expert_exchange=gather"], capsys)
+    # Giving MaxText's own placement by hand says nothing, and offers no other placement.
+    status, got = _route_json([*args, "expert_exchange=gather", "expert_group=auto"], capsys)
     assert "MAXTEXT_PLACEMENT_NOT_MAXTEXTS" not in {f["code"] for f in got["findings"]}
+    assert not any("expert_exchange" in x for f in got["findings"] for x in f["fixes"])
+    # With compile_topology, more chips are more slices of the topology, in its key.
+    (margin,) = [f for f in got["findings"] if f["code"] == "MEMORY_WITHIN_MARGIN"]
+    assert margin["fixes"][0].startswith("compile_topology_num_slices=4 ")
+    assert not any("num_devices" in x for x in margin["fixes"])
+
+
+def test_maxtexts_own_exchange_given_by_hand_is_counted_as_maxtext_runs_it(base):
+    """With an expert axis MaxText exchanges over it into a receive buffer of its own
+    size; spelling that placement by hand (expert_exchange=all_to_all
+    expert_group=expert) is the same launch and counts the same bytes as leaving it to
+    MaxText, where a group left to this check (expert_group=auto) is warned about."""
+    over = [
+        "model_name=deepseek3-671b",
+        "compile_topology=v5p-512",
+        "ici_context_parallelism=4",
+        "ici_expert_parallelism=8",
+        "ici_fsdp_parallelism=-1",
+        "per_device_batch_size=0.25",
+        "max_target_length=32768",
+    ]
+    theirs = selector.from_maxtext(base, over)
+    spelled = selector.from_maxtext(
+        base, [*over, "expert_exchange=all_to_all", "expert_group=expert"]
+    )
+    assert spelled.config == theirs.config
+    assert "MAXTEXT_PLACEMENT_NOT_MAXTEXTS" not in codes(spelled.findings)
+    auto = selector.from_maxtext(base, [*over, "expert_exchange=all_to_all"])
+    (warned,) = [f for f in auto.findings if f.code == "MAXTEXT_PLACEMENT_NOT_MAXTEXTS"]
+    assert "runs expert_exchange=all_to_all expert_group=expert here" in warned.message
 
 
 def _route_json(args: list[str], capsys) -> tuple[int, dict]:
