@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, replace
 from importlib import metadata
 
+from .targets import GPU_PER_HOST
+
 # The jax release assumed when none is installed (the selector alone): the newest stack
 # this project is tested on.
 NEWEST_TESTED_JAX = (0, 12)
@@ -119,6 +121,9 @@ class Traits:
         between 14 and 16 MiB. A shared expert without a gate closes the window (one
         point: in the window's range, it compiled to the outside factor). (0, 0, 0): no
         window.
+      host_devices: the devices of one host that share its fast links (NVLink: 8 GPUs of
+        an H100 or H200 host), where a slice is a host; 0 where a slice's own links
+        join every device of it (a TPU slice's ICI torus; the simulated CPU devices).
       compiler_factor: the one constant that scales the counted buffers to the
         compiler's temp. XLA:TPU and XLA:GPU: 1, the count alone (against the real
         presets' layers compiled for 64 v5p and 8 H200 on both stacks,
@@ -146,6 +151,7 @@ class Traits:
     exchange_heap: tuple[float, float] = (1.0, 1.0)
     exchange_serving_heap: tuple[float, float] = (1.0, 1.0)
     exchange_serving_window: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    host_devices: int = 0
     compiler_factor: float = 1.0
 
     @property
@@ -162,6 +168,7 @@ _XLA_GPU = Traits(
     runs_pallas_megablox=False,
     exchange_row_buffers=(3, 4),
     exchange_heap=(0.75, 0.88),
+    host_devices=GPU_PER_HOST,
 )
 
 # XLA:TPU as libtpu 0.0.42 (jax 0.10) compiles; libtpu 0.0.50 (jax 0.12) changes its heap.

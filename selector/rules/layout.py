@@ -8,7 +8,7 @@ from ..config import MESH_AXES, Config, Mode
 from ..findings import Finding, error, fix, render_value, warning
 from ..mesh import MeshView
 from ..per_device import PerDevice, is_whole
-from ..targets import GPU_PER_HOST
+from ..traits import traits
 from .moves import ici_sizes, move
 
 
@@ -360,16 +360,15 @@ def _decode_token_repeated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
 
 
 def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]:
-    """On GPUs a slice is one host: its GPU_PER_HOST GPUs share NVLink, and hosts talk
+    """On GPUs a slice is one host: its GPUs (`Traits.host_devices`) share NVLink, and hosts talk
     over the network. A config slice of more GPUs prices every collective among them at
     NVLink's bandwidth (`hardware.ici_bandwidth_gbps`), which the hosts do not have, so
     the exchange and the weights' gathers are priced as if they were local."""
-    if cfg.hardware.platform != "gpu" or mesh.source != "config":
-        return []
+    host = traits(cfg.hardware.platform).host_devices
     per_slice = mesh.num_devices // max(cfg.num_slices, 1)
-    if per_slice <= GPU_PER_HOST:
+    if not host or mesh.source != "config" or per_slice <= host:
         return []
-    hosts = per_slice // GPU_PER_HOST if per_slice % GPU_PER_HOST == 0 else 0
+    hosts = per_slice // host if per_slice % host == 0 else 0
     ici = ici_sizes(mesh)
     fixes = []
     # The axis that spans the hosts: fsdp (the weights split over them) or data (repeated
@@ -391,7 +390,7 @@ def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
         }
         fixes.append(
             fix(
-                f"{hosts * cfg.num_slices} slices of {GPU_PER_HOST} GPUs, {axis} across them",
+                f"{hosts * cfg.num_slices} slices of {host} GPUs, {axis} across them",
                 num_slices=cfg.num_slices * hosts,
                 **knobs,
             )
@@ -401,14 +400,14 @@ def gpu_hosts_in_one_slice(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[
             "GPU_HOSTS_IN_ONE_SLICE",
             "num_slices",
             f"num_slices={cfg.num_slices} puts {per_slice} {cfg.hardware.name} GPUs in a "
-            f"slice, but a host holds {GPU_PER_HOST}: the {math.ceil(per_slice / GPU_PER_HOST)} "
+            f"slice, but a host holds {host}: the {math.ceil(per_slice / host)} "
             "hosts of each slice talk over the network, while every collective here is "
             "priced at NVLink's "
             f"{cfg.hardware.ici_bandwidth_gbps:g} GB/s. Spell the hosts as slices (the dcn "
             "axes say which collectives cross them) for times the network allows.",
             fixes,
             no_fix=f"No fix is offered: {per_slice} GPUs a slice are not whole hosts of "
-            f"{GPU_PER_HOST}; set num_slices to the hosts."
+            f"{host}; set num_slices to the hosts."
             if not hosts
             else f"No fix is offered: no mesh axis has a multiple of {hosts} devices in a "
             "slice to span the hosts; set num_slices and the dcn_*_parallelism sizes "
