@@ -676,3 +676,29 @@ def test_a_mesh_fix_comes_with_the_batch_its_new_shards_need(overrides, code, co
     assert completed in [x.render() for x in hit.fixes]
     fixed = selector.to_config(selector.compose([*overrides, *completed.split()]))
     assert not [f for f in selector.validate(fixed) if f.severity is Severity.error]
+
+
+def test_a_fix_is_completed_with_a_batch_only_where_a_new_batch_error_alone_stops_it():
+    """`_with_batch_fix` on hand-made findings: a move left with only a new
+    BATCH_NOT_DIVISIBLE takes that error's batch; not a fix that sets the batch itself,
+    not one whose finding is a batch error, and not one that adds another error too."""
+    from selector.findings import error, fix
+    from selector.plan import _with_batch_fix
+
+    mesh = error("MESH_DEVICE_MISMATCH", "num_devices", "m.", [fix(ici_fsdp_parallelism=-1)])
+    move = mesh.fixes[0]
+    batch = error(
+        "BATCH_NOT_DIVISIBLE", "per_device_batch_size", "b.", [fix(per_device_batch_size=0.5)]
+    )
+    other = error("TENSOR_SPLITS_HEADS", "ici_tensor_parallelism", "t.", [])
+    completed = _with_batch_fix(mesh, move, [batch], set())
+    assert completed.overrides == (("ici_fsdp_parallelism", -1), ("per_device_batch_size", 0.5))
+    assert completed.note == "per_device_batch_size=0.5 for the new batch shards"
+    noted = _with_batch_fix(mesh, fix("fsdp fills them", ici_fsdp_parallelism=-1), [batch], set())
+    assert noted.note == "fsdp fills them, per_device_batch_size=0.5 for the new batch shards"
+    assert _with_batch_fix(mesh, move, [batch], {"BATCH_NOT_DIVISIBLE"}) is None  # not new
+    assert _with_batch_fix(mesh, move, [batch, other], set()) is None
+    assert _with_batch_fix(mesh, fix(per_device_batch_size=0.25), [batch], set()) is None
+    inflated = error("LOCAL_BATCH_INFLATION", "per_device_batch_size", "i.", [move])
+    assert _with_batch_fix(inflated, move, [batch], set()) is None  # a batch finding's own
+    assert _with_batch_fix(mesh, move, [mesh, batch], set()) is None  # still standing
