@@ -386,7 +386,7 @@ def _with_batch_fix(finding: Finding, fix_: Fix, after: list[Finding], old_error
     if not batch:
         return None
     (pdbs,) = [v for _, v in batch[0].overrides]
-    note = f"per_device_batch_size={pdbs:g} for the new batch shards"
+    note = batch[0].note or f"per_device_batch_size={pdbs:g} for the new batch shards"
     note = f"{fix_.note}, {note}" if fix_.note else note
     return Fix((*fix_.overrides, ("per_device_batch_size", pdbs)), note)
 

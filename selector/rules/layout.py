@@ -245,18 +245,12 @@ def tokens_replicated(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Findi
     axes = [a for a in mesh.replicating_axes if a not in mesh.hidden_axes]
     if not axes or cfg.mode is Mode.decode:
         return []
-    # Either fix makes those axes batch axes: the batch shards multiply by their size,
-    # and a global batch they no longer divide grows to the next whole multiple.
-    shards = dev.batch_shards * mesh.product([a for a in axes if mesh.size(a) > 1])
-    batch, note = {}, ""
-    if not is_whole(dev.global_batch / shards):
-        per_shard = max(1, math.ceil(dev.global_batch / shards))
-        batch = {"per_device_batch_size": per_shard * shards / dev.num_devices}
-        note = f", global batch {per_shard * shards}"
-    fixes = [fix(note[2:], **{"axis_rules__batch": [*mesh.batch_axes, *axes]}, **batch)]
+    # Either fix makes those axes batch axes; a global batch the new shards do not
+    # divide gets its batch from the fix search (plan._with_batch_fix).
+    fixes = [fix(**{"axis_rules__batch": [*mesh.batch_axes, *axes]})]
     moved = move(cfg, mesh, {a: 1 for a in axes if mesh.size(a) > 1})
     if moved:
-        fixes.append(fix(f"moves the devices to data{note}", **dict(moved), **batch))
+        fixes.append(fix("moves the devices to data", **dict(moved)))
     return [
         warning(
             "TOKENS_REPLICATED",
@@ -301,14 +295,8 @@ def decode_context(cfg: Config, mesh: MeshView, dev: PerDevice) -> list[Finding]
     knobs = ", ".join(f"{_knob_of(cfg, a)}={mesh.size(a)}" for a in axes)
     moved = move(cfg, mesh, {a: 1 for a in axes})
     fixes = []
-    if moved:
-        shards = dev.batch_shards * cp
-        overrides = dict(moved)
-        note = "moves the sequence devices to data"
-        if not is_whole(dev.global_batch / shards):
-            overrides["per_device_batch_size"] = shards / dev.num_devices
-            note += f", one sequence per batch shard (global batch {shards})"
-        fixes.append(fix(note, **overrides))
+    if moved:  # a batch the new shards do not divide: the fix search completes it
+        fixes.append(fix("moves the sequence devices to data", **dict(moved)))
     # Or to MaxText's decode axis: the cache stays split as it was, and the MoE block's
     # copy of the token is repeated there (DECODE_TOKEN_REPEATED says how to split it).
     kept = move(cfg, mesh, {a: 1 for a in axes}, to=DECODE_AXIS)

@@ -696,6 +696,14 @@ def test_a_fix_is_completed_with_a_batch_only_where_a_new_batch_error_alone_stop
     assert completed.note == "per_device_batch_size=0.5 for the new batch shards"
     noted = _with_batch_fix(mesh, fix("fsdp fills them", ici_fsdp_parallelism=-1), [batch], set())
     assert noted.note == "fsdp fills them, per_device_batch_size=0.5 for the new batch shards"
+    # The batch error's own note says what the batch becomes, where it has one.
+    said = error(
+        "BATCH_NOT_DIVISIBLE",
+        "per_device_batch_size",
+        "b.",
+        [fix("global batch 8", per_device_batch_size=0.5)],
+    )
+    assert _with_batch_fix(mesh, move, [said], set()).note == "global batch 8"
     assert _with_batch_fix(mesh, move, [batch], {"BATCH_NOT_DIVISIBLE"}) is None  # not new
     assert _with_batch_fix(mesh, move, [batch, other], set()) is None
     assert _with_batch_fix(mesh, fix(per_device_batch_size=0.25), [batch], set()) is None
