@@ -648,7 +648,8 @@ def placement_not_maxtexts(cfg: Config, raw: dict) -> list[Finding]:
             "MaxText 0.2.5 has no keys for them and runs "
             f"expert_exchange={theirs.expert_exchange.value} expert_group="
             f"{theirs.expert_group.value} here (it exchanges over ici_expert_parallelism "
-            "alone, else all-gathers the expert weights). The plan and memory below are "
+            "alone, else all-gathers the expert weights: read in its base.yml and "
+            "layers/moe.py, not run). The plan and memory below are "
             "layers.MoEBlock's, not what this MaxText launch runs.",
             [
                 fix(
