@@ -417,6 +417,33 @@ def _num_slices(raw: dict, notes: list[str]) -> int:
     return count
 
 
+def _topology_counts(raw: dict, values: dict, chips: int, slices: int, notes: list[str]):
+    """What compile_topology overrules: MaxText takes the slices from
+    compile_topology_num_slices (base.yml: num_slices is set from it), so a num_slices
+    that says otherwise is noted as not read; a num_devices that disagrees with the
+    topology's chips is refused, since either count could be the one meant."""
+    name, total = raw["compile_topology"], chips * slices
+    given = values.get("num_devices")
+    if given is not None and given != total:
+        raise MaxTextError(
+            f"num_devices={given} disagrees with compile_topology={name} x {slices} slice(s), "
+            f"which is {total} chips: MaxText's ahead-of-time compile targets the topology. "
+            f"Drop num_devices, or name the topology and compile_topology_num_slices whose "
+            "chips you mean."
+        )
+    asked = coerce("num_slices", raw.get("num_slices", -1), int)
+    if asked not in (-1, slices):
+        notes.append(
+            f"num_slices={asked} is not read under compile_topology: MaxText sets it from "
+            f"compile_topology_num_slices ({slices} here); set compile_topology_num_slices="
+            f"{asked} for {asked} slices."
+        )
+    notes.append(
+        f"compile_topology={name} x {slices} slice(s): {total} {raw['chip']} chips "
+        f"({chips} a slice), as MaxText's ahead-of-time compile targets them."
+    )
+
+
 def _unknown_override(key: str, allowed: set[str]) -> MaxTextError:
     if key in RETIRED_KEYS:
         return MaxTextError(f"Unknown setting {key!r}: {RETIRED_KEYS[key]}")
@@ -495,18 +522,15 @@ def from_maxtext(
             f"num_experts={values.get('num_experts', 1)}: a dense model; the block is checked as "
             f"one MLP of base_mlp_dim={values['base_moe_mlp_dim']}."
         )
-    values["num_slices"] = _num_slices(raw, notes)
     target = topology_target(raw)
-    if target is not None:  # MaxText's train_compile target names the chips
+    if target is None:
+        values["num_slices"] = _num_slices(raw, notes)
+    else:  # MaxText's train_compile target names the chips
         chip, chips, slices = target
         raw = {"chip": chip, **raw}
+        _topology_counts(raw, values, chips, slices, notes)
         values["num_slices"] = slices
-        values.setdefault("num_devices", chips * slices)
-        notes.append(
-            f"compile_topology={raw['compile_topology']} x {slices} slice(s): "
-            f"{chips * slices} {chip} chips ({chips} a slice), as MaxText's ahead-of-time "
-            "compile targets them."
-        )
+        values["num_devices"] = chips * slices
     values["attention_type"] = _attention_type(raw, notes)
     sparse = coerce("sparse_matmul", raw.get("sparse_matmul", True), bool)
     megablox = coerce("megablox", raw.get("megablox", True), bool)

@@ -750,3 +750,21 @@ def test_the_route_runs_one_fix_search_each_config_analysed_once(base, monkeypat
     _, found = plan_module.analyse(imported.config, check_fixes=False, given=imported.findings)
     proposed = sum(len(f.fixes) for f in found)
     assert 2 + len(offered) <= len(analysed) <= 2 + proposed + 3**3
+
+
+def test_compile_topology_overrules_the_slice_and_device_counts_out_loud(base, capsys):
+    """Under compile_topology MaxText takes the slices from compile_topology_num_slices
+    (base.yml sets num_slices from it): a num_slices that says otherwise is noted as not
+    read, and a num_devices other than the topology's chips is refused, not priced."""
+    common = ["model_name=qwen3-30b-a3b", "compile_topology=v5p-128", "per_device_batch_size=1"]
+    imported = selector.from_maxtext(base, [*common, "num_slices=4"])
+    assert (imported.config.num_devices, imported.config.num_slices) == (64, 1)
+    assert any("num_slices=4 is not read" in n for n in imported.notes)
+    assert not any("num_slices=-1" in n for n in imported.notes)
+    two = selector.from_maxtext(base, [*common, "compile_topology_num_slices=2", "num_devices=128"])
+    assert (two.config.num_devices, two.config.num_slices) == (128, 2)
+    assert not any("is not read" in n for n in two.notes)
+    with pytest.raises(selector.maxtext.files.MaxTextError, match="num_devices=16 disagrees"):
+        selector.from_maxtext(base, [*common, "num_devices=16"])
+    assert main([base, *common, "num_devices=16"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
