@@ -296,6 +296,13 @@ class _FixSearch:
                 if completed is not None and (again := self.run(completed)) is not None:
                     fix_, ran = completed, again
                     completions.append(completed)
+                else:
+                    for then in _then_fixes(finding, fix_, ran[2], self.old_errors):
+                        completions.append(then)
+                        again = self.run(then)
+                        if again is not None and self._clears(finding, again[2]):
+                            fix_, ran = then, again
+                            break
             if ran is None:
                 continue
             spelled, plan, after = ran
@@ -389,6 +396,29 @@ def _with_batch_fix(finding: Finding, fix_: Fix, after: list[Finding], old_error
     note = batch[0].note or f"per_device_batch_size={pdbs:g} for the new batch shards"
     note = f"{fix_.note}, {note}" if fix_.note else note
     return Fix((*fix_.overrides, ("per_device_batch_size", pdbs)), note)
+
+
+# How many of the fixes of an error that a fix uncovers are tried after it.
+THEN_FIX_CHOICES = 2
+
+
+def _then_fixes(finding: Finding, fix_: Fix, after: list[Finding], old_errors) -> list[Fix]:
+    """`fix_` followed by each of the first fixes of the one new error it leaves, when
+    it clears `finding` but uncovers that error (a mesh made whole again may split the
+    sequence at decode, which the original mesh's error hid). The second fix was
+    proposed on the config after the first, so its overrides win where both set a knob.
+    Empty when `finding` stands or the fix leaves no new error or more than one."""
+    if finding.code in {f.code for f in after}:
+        return []
+    new = [f for f in errors_in(after) if f.code not in old_errors]
+    if len(new) != 1:
+        return []
+    then = []
+    for second in new[0].fixes[:THEN_FIX_CHOICES]:
+        overrides = {**dict(fix_.overrides), **dict(second.overrides)}
+        note = f"{fix_.render()} alone leaves {new[0].code}; then {second.note or second.render()}"
+        then.append(Fix(tuple(overrides.items()), note))
+    return then
 
 
 def _with_device_note(fix_, est: Estimate | None):

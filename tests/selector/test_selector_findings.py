@@ -710,3 +710,55 @@ def test_a_fix_is_completed_with_a_batch_only_where_a_new_batch_error_alone_stop
     inflated = error("LOCAL_BATCH_INFLATION", "per_device_batch_size", "i.", [move])
     assert _with_batch_fix(inflated, move, [batch], set()) is None  # a batch finding's own
     assert _with_batch_fix(mesh, move, [mesh, batch], set()) is None  # still standing
+
+
+def test_an_error_a_fix_uncovers_is_fixed_after_it():
+    """Decode at cp 4 on a mesh of 16 devices for 8: every mesh fix makes the mesh whole
+    and leaves the sequence split at decode (DECODE_CONTEXT_PARALLEL), which the first
+    error hid. Each such fix is offered followed by a fix of the error it uncovers, and
+    applied, leaves no error (the finding said "No fix was found" before)."""
+    over = (
+        "model=tiny",
+        "mesh=cpu_8",
+        "mode=decode",
+        "ici_context_parallelism=4",
+        "ici_fsdp_parallelism=4",
+        "per_device_batch_size=1",
+    )
+    (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
+    assert len(hit.fixes) == 3 and not hit.no_fix
+    for offered in hit.fixes:
+        assert "alone leaves DECODE_CONTEXT_PARALLEL; then" in offered.note
+        fixed = typed(*over, *offered.render().split())
+        assert not [f for f in selector.validate(fixed) if f.severity is Severity.error]
+
+
+def test_a_fix_is_followed_only_by_the_fixes_of_the_one_error_it_uncovers():
+    """`_then_fixes` on hand-made findings: the first two fixes of the one new error,
+    each applied after the fix (its overrides winning where both set a knob); nothing
+    where the finding stands, where the error was there before, or where two are new."""
+    from selector.findings import error, fix
+    from selector.plan import _then_fixes
+
+    mesh = error("MESH_DEVICE_MISMATCH", "num_devices", "m.", [fix(ici_fsdp_parallelism=-1)])
+    move = mesh.fixes[0]
+    seconds = [
+        fix("to data", ici_context_parallelism=1, ici_fsdp_parallelism=2),
+        fix(ici_data_parallelism=4),
+        fix(ici_tensor_parallelism=2),
+    ]
+    decode = error("DECODE_CONTEXT_PARALLEL", "ici_context_parallelism", "d.", seconds)
+    other = error("TENSOR_SPLITS_HEADS", "ici_tensor_parallelism", "t.", [])
+    then = _then_fixes(mesh, move, [decode], set())
+    assert [x.overrides for x in then] == [
+        (("ici_fsdp_parallelism", 2), ("ici_context_parallelism", 1)),
+        (("ici_fsdp_parallelism", -1), ("ici_data_parallelism", 4)),
+    ]
+    assert then[0].note == (
+        "ici_fsdp_parallelism=-1 alone leaves DECODE_CONTEXT_PARALLEL; then to data"
+    )
+    assert then[1].note.endswith("; then ici_data_parallelism=4")
+    assert _then_fixes(mesh, move, [mesh, decode], set()) == []  # still standing
+    assert _then_fixes(mesh, move, [decode], {"DECODE_CONTEXT_PARALLEL"}) == []  # not new
+    assert _then_fixes(mesh, move, [decode, other], set()) == []
+    assert _then_fixes(mesh, move, [], set()) == []
