@@ -239,35 +239,48 @@ def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
         ]
 
 
-def _moe_dispatch(path: str = "", *, _root_) -> str:
+def _chosen(path: str, root) -> DispatchPlan:
     if path:  # a node of selector settings only: every other key is an error
-        config = to_config(OmegaConf.select(_root_, path))
+        config = to_config(OmegaConf.select(root, path))
     else:
-        config = to_config(_root_, others="misspellings")
+        config = to_config(root, others="misspellings")
     if config.compile:  # compile=true: the choice follows the compiled candidates
-        return compile_check(config).plan.strategy.value
-    return resolve(config).strategy.value
+        return compile_check(config).plan
+    return resolve(config)
+
+
+def _moe_dispatch(path: str = "", *, _root_) -> str:
+    return _chosen(path, _root_).strategy.value
+
+
+def _moe_exchange(path: str = "", *, _root_) -> str:
+    return _chosen(path, _root_).placement.exchange.value
 
 
 def register_resolvers() -> None:
-    """Register `${moe_dispatch:}` (and `${moe_dispatch:path.to.node}`) in OmegaConf.
+    """Register `${moe_dispatch:}` and `${moe_exchange:}` (each also as
+    `${...:path.to.node}`) in OmegaConf.
 
-    The resolver reads the selector's settings (MaxText spelling) from the node at
+    The resolvers read the selector's settings (MaxText spelling) from the node at
     `path`, where any other key is an error, or from the root of the user's config,
     where the app's own keys may sit beside them and only a key that looks like a
-    misspelled setting (`num_expert`) is an error. Returns the chosen strategy name; a
-    config with errors raises ConfigError.
+    misspelled setting (`num_expert`) is an error. `moe_dispatch` returns the chosen
+    dispatch's name, `moe_exchange` how its expert weights meet the tokens (`gather` or
+    `all_to_all`, the block's `expert_exchange`); a config with errors raises
+    ConfigError.
 
     Returns:
-      None; the resolver is registered (again, replacing any before).
+      None; the resolvers are registered (again, replacing any before).
 
     Examples:
       >>> import selector
       >>> from omegaconf import OmegaConf
       >>> selector.register_resolvers()
       >>> app = OmegaConf.create({"model": "tiny", "mesh": "cpu_8",
-      ...                         "run": {"dispatch": "${moe_dispatch:}"}})
-      >>> app.run.dispatch
-      'megablox'
+      ...                         "run": {"dispatch": "${moe_dispatch:}",
+      ...                                 "exchange": "${moe_exchange:}"}})
+      >>> app.run.dispatch, app.run.exchange
+      ('megablox', 'gather')
     """
     OmegaConf.register_new_resolver("moe_dispatch", _moe_dispatch, replace=True)
+    OmegaConf.register_new_resolver("moe_exchange", _moe_exchange, replace=True)

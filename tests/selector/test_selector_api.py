@@ -211,7 +211,8 @@ def test_live_jax_mesh_shape_wins(jax_cpu8):
 
 
 def test_resolver_inside_a_user_hydra_config(tmp_path):
-    """A user's own Hydra app writes `moe_dispatch: ${moe_dispatch:}`."""
+    """A user's own Hydra app writes `moe_dispatch: ${moe_dispatch:}` (and the
+    exchange beside it, `${moe_exchange:}`)."""
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "train.yaml").write_text(
         textwrap.dedent("""
@@ -228,6 +229,12 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
         nested:
           moe: {model: tiny, num_devices: 8, ici_fsdp_parallelism: 8, capacity_factor: -1}
           dispatch: ${moe_dispatch:nested.moe}
+          exchange: ${moe_exchange:nested.moe}
+        long:
+          moe: {model: tiny, num_devices: 8, ici_context_parallelism: 8, num_experts: 64,
+                per_device_batch_size: 0.125}
+          dispatch: ${moe_dispatch:long.moe}
+          exchange: ${moe_exchange:long.moe}
     """)
     )
     (tmp_path / "train.py").write_text(
@@ -237,7 +244,8 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
 
         @hydra.main(version_base=None, config_path="conf", config_name="train")
         def main(cfg):
-            print(cfg.moe_dispatch, cfg.nested.dispatch)
+            print(cfg.moe_dispatch, cfg.nested.dispatch, cfg.nested.exchange)
+            print(cfg.long.dispatch, cfg.long.exchange)
             inner = selector.compose(["model=tiny"])  # compose works inside an app too
             print(inner.model_name)
 
@@ -273,8 +281,27 @@ def test_resolver_inside_a_user_hydra_config(tmp_path):
             ["model=tiny", "num_devices=8", "ici_fsdp_parallelism=8", "capacity_factor=-1"]
         )
     )
+    long = selector.resolve(
+        selector.compose(
+            [
+                "model=tiny",
+                "num_devices=8",
+                "ici_context_parallelism=8",
+                "num_experts=64",
+                "per_device_batch_size=0.125",
+            ]
+        )
+    )
     assert top.strategy.value == "subgroup_capacity"
-    assert out.stdout.split() == [top.strategy.value, nested.strategy.value, "tiny"]
+    assert long.placement.exchange.value == "all_to_all"  # the two exchanges both seen
+    assert out.stdout.split() == [
+        top.strategy.value,
+        nested.strategy.value,
+        nested.placement.exchange.value,
+        long.strategy.value,
+        long.placement.exchange.value,
+        "tiny",
+    ]
 
 
 def test_resolver_reports_config_errors():
