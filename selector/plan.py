@@ -406,19 +406,30 @@ def _then_fixes(finding: Finding, fix_: Fix, after: list[Finding], old_errors) -
     """`fix_` followed by each of the first fixes of the one new error it leaves, when
     it clears `finding` but uncovers that error (a mesh made whole again may split the
     sequence at decode, which the original mesh's error hid). The second fix was
-    proposed on the config after the first, so its overrides win where both set a knob.
-    Empty when `finding` stands or the fix leaves no new error or more than one."""
+    proposed on the config after the first, so its overrides win where both set a knob;
+    only a second fix that changes where the work runs, not the model, is taken. Empty
+    when `finding` stands or the fix leaves no new error or more than one."""
     if finding.code in {f.code for f in after}:
         return []
     new = [f for f in errors_in(after) if f.code not in old_errors]
     if len(new) != 1:
         return []
     then = []
-    for second in new[0].fixes[:THEN_FIX_CHOICES]:
+    for second in [x for x in new[0].fixes if _lays_out_only(x)][:THEN_FIX_CHOICES]:
         overrides = {**dict(fix_.overrides), **dict(second.overrides)}
         note = f"{fix_.render()} alone leaves {new[0].code}; then {second.note or second.render()}"
         then.append(Fix(tuple(overrides.items()), note))
     return then
+
+
+def _lays_out_only(fix_: Fix) -> bool:
+    """Whether `fix_` sets only where the work runs (mesh axes, devices, slices, the
+    batch): a follow-up fix never changes the model the user asked for."""
+    return all(
+        k.startswith(("ici_", "dcn_"))
+        or k in ("num_devices", "num_slices", "per_device_batch_size")
+        for k, _ in fix_.overrides
+    )
 
 
 def _with_device_note(fix_, est: Estimate | None):

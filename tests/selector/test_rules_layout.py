@@ -150,9 +150,13 @@ def test_a_fractional_global_batch_is_offered_each_batch_once():
     over = ("ici_context_parallelism=4", "max_target_length=8192", "per_device_batch_size=0.3")
     assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [{"per_device_batch_size": 0.25}]
     # At cp 8 on one batch shard, the nearest whole batch (2 sequences on the one shard)
-    # inflates the local batch, so only one sequence a shard is offered.
+    # inflates the local batch: it comes with that error's fix, half the sequence
+    # devices moved to fsdp so the 2 sequences take 2 batch shards.
     over = ("ici_context_parallelism=8", "max_target_length=8192", "per_device_batch_size=0.3")
-    assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [{"per_device_batch_size": 0.125}]
+    assert fixes_of("GLOBAL_BATCH_FRACTIONAL", *over) == [
+        {"per_device_batch_size": 0.125},
+        {"per_device_batch_size": 0.25, "ici_fsdp_parallelism": 2, "ici_context_parallelism": 4},
+    ]
 
 
 def test_an_inflated_local_batch_takes_its_devices_from_the_largest_sharing_axis_first():

@@ -744,6 +744,7 @@ def test_a_fix_is_followed_only_by_the_fixes_of_the_one_error_it_uncovers():
     move = mesh.fixes[0]
     seconds = [
         fix("to data", ici_context_parallelism=1, ici_fsdp_parallelism=2),
+        fix(num_experts_per_tok=1),  # changes the model: never a follow-up
         fix(ici_data_parallelism=4),
         fix(ici_tensor_parallelism=2),
     ]
