@@ -404,11 +404,13 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
 
 
 def _typed_by_schema(cfg: Any) -> bool:
-    """Whether `cfg` is a DictConfig typed by the schema with no interpolation in it (one
+    """Whether `cfg` is a DictConfig typed by the schema, holding every setting (a key
+    deleted with `~` takes the default preset's value), with no interpolation in it (one
     could be a `${moe_dispatch:}` asking for this very conversion)."""
     return (
         isinstance(cfg, DictConfig)
         and OmegaConf.get_type(cfg) is Config
+        and set(cfg.keys()) >= _FIELDS
         and not any(OmegaConf.is_interpolation(cfg, k) for k in cfg.keys())
     )
 

@@ -59,3 +59,16 @@ def test_compose_refuses_as_hydras_compose_does(overrides):
     with pytest.raises(ConfigError) as hydras:
         _hydra_compose(tuple(overrides))
     assert str(ours.value) == str(hydras.value)
+
+
+@pytest.mark.parametrize("overrides", AGREE, ids=lambda o: " ".join(o) or "defaults")
+def test_a_composed_config_converts_as_its_plain_settings_do(overrides):
+    """`to_config` takes a composed DictConfig as it is (no merge onto the schema): the
+    Config must be the one its settings give as a plain mapping, interpolations
+    resolved, and a value set wrong after composing is still refused."""
+    composed = selector.compose(overrides)
+    plain = OmegaConf.to_container(composed, resolve=True)
+    assert selector.to_config(composed) == selector.to_config(plain)
+    with pytest.raises(Exception, match="num_experts"):
+        composed.num_experts = "four"  # the schema refuses it as it is set
+        selector.to_config(composed)
