@@ -241,7 +241,13 @@ def validate(cfg: Any, mesh: Any = None) -> list[Finding]:
 
 def _chosen(path: str, root) -> DispatchPlan:
     if path:  # a node of selector settings only: every other key is an error
-        config = to_config(OmegaConf.select(root, path))
+        node = OmegaConf.select(root, path)
+        if node is None:
+            raise KeyError(
+                f"no node {path!r} in the config: give the path of the node that holds the "
+                "selector's settings (e.g. ${moe_dispatch:model.moe}), or none for the root."
+            )
+        config = to_config(node)
     else:
         config = to_config(root, others="misspellings")
     if config.compile:  # compile=true: the choice follows the compiled candidates
@@ -266,8 +272,9 @@ def register_resolvers() -> None:
     where the app's own keys may sit beside them and only a key that looks like a
     misspelled setting (`num_expert`) is an error. `moe_dispatch` returns the chosen
     dispatch's name, `moe_exchange` how its expert weights meet the tokens (`gather` or
-    `all_to_all`, the block's `expert_exchange`); a config with errors raises
-    ConfigError.
+    `all_to_all`, the block's `expert_exchange`). A config with errors does not
+    resolve: OmegaConf raises its InterpolationResolutionError, whose message holds the
+    ConfigError's findings and fixes (call `selector.resolve` to catch ConfigError).
 
     Returns:
       None; the resolvers are registered (again, replacing any before).

@@ -369,7 +369,7 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
     for key in cfg.keys():
         if key in _FIELDS or key in GROUPS:
             continue
-        if others == "error" or close_keys(str(key), cutoff=0.85):
+        if others == "error" or _misspelled(str(key), cfg[key] if not _lazy(cfg, key) else None):
             raise unknown_setting(str(key))
     # Read only our keys: resolving the whole node would also resolve a
     # `${moe_dispatch:}` that sits in it and asks for this very conversion.
@@ -401,6 +401,25 @@ def to_config(cfg: Any, *, others: str = "error") -> Config:
                 )
             ]
         ) from None
+
+
+# The settings that hold a node of their own; every other setting holds a value.
+_NODE_SETTINGS = ("hardware", "axis_rules")
+
+
+def _misspelled(key: str, value: Any) -> bool:
+    """Whether an app's own key looks like a misspelled setting: spelled like one, and
+    a node only where it is spelled like a node setting (an app's `moe:` node is not
+    `mode` or `model` misspelled)."""
+    if isinstance(value, (Mapping, DictConfig)):
+        return bool(close_keys(key, cutoff=0.85, choices=_NODE_SETTINGS))
+    return bool(close_keys(key, cutoff=0.85))
+
+
+def _lazy(cfg: Any, key: Any) -> bool:
+    """Whether reading `cfg[key]` would resolve an interpolation (a `${moe_dispatch:}`
+    beside the settings would ask for this very conversion)."""
+    return isinstance(cfg, DictConfig) and OmegaConf.is_interpolation(cfg, key)
 
 
 def _typed_by_schema(cfg: Any) -> bool:

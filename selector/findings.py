@@ -180,11 +180,17 @@ class Finding:
         text = base
         no_fix = self.no_fix
         if not verified and not no_fix and failed:
-            shown = "; ".join(f.render() for f in failed[:TRIED_SHOWN])
+            # A fix run and dropped says, as its note, what it left (the fix search's).
+            said = all(f.note for f in failed)
+            parts = [f"{f.render()} {f.note}" if said else f.render() for f in failed]
+            shown = "; ".join(parts[:TRIED_SHOWN])
             if len(failed) > TRIED_SHOWN:
                 shown += f"; and {len(failed) - TRIED_SHOWN} more"
             no_fix = (
-                f"No fix was found: each one checked ({shown}) leaves it standing or adds an error."
+                f"No fix was found: {shown}."
+                if said
+                else f"No fix was found: each one checked ({shown}) leaves it standing or "
+                "adds an error."
             )
         if verified:
             text += " Fix: " + "; or ".join(f.text() for f in verified) + "."

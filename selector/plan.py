@@ -314,12 +314,19 @@ class _FixSearch:
                 good.append((_with_device_note(spelled, est), fix_))
                 clears_all = clears_all or not errors_in(after)
             else:
-                failed.append(spelled)
+                failed.append(dataclasses.replace(spelled, note=self._left_by(finding, after)))
         ranked = ranked_fixes([offered for offered, _ in good])
         kept = [proposed for r in ranked for offered, proposed in good if offered is r]
         checked = finding.with_fixes(ranked, failed=tuple(failed))
         run = finding.tried or (*finding.fixes, *completions)
         return dataclasses.replace(checked, tried=run), clears_all, kept
+
+    def _left_by(self, finding: Finding, after: list[Finding]) -> str:
+        """What a fix that did not hold left: the finding, or the errors it added."""
+        if finding.code in {f.code for f in after}:
+            return "leaves it standing"
+        added = dict.fromkeys(f.code for f in errors_in(after) if f.code not in self.old_errors)
+        return "adds " + " and ".join(added)
 
     def _clears(self, finding: Finding, after: list[Finding]) -> bool:
         """Whether a fix's findings (`after`) are without `finding` and without an error
@@ -417,7 +424,9 @@ def _then_fixes(finding: Finding, fix_: Fix, after: list[Finding], old_errors) -
     then = []
     for second in [x for x in new[0].fixes if _lays_out_only(x)][:THEN_FIX_CHOICES]:
         overrides = {**dict(fix_.overrides), **dict(second.overrides)}
-        note = f"{fix_.render()} alone leaves {new[0].code}; then {second.note or second.render()}"
+        # The second fix's own note speaks of the config after the first (its batch
+        # "from" the first's), so the pair is described as a whole.
+        note = f"{fix_.render()} alone leaves {new[0].code}, which the rest clears"
         then.append(Fix(tuple(overrides.items()), note))
     return then
 

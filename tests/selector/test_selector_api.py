@@ -359,3 +359,23 @@ def test_to_config_reads_the_presets_a_mapping_names():
     assert (beside.model_name, beside.num_experts) == ("deepseek_v3", 64)
     (f,) = selector.validate({"model": "deepseek_v4"})
     assert f.code == "PRESET_UNKNOWN" and "deepseek_v3" in f.message
+
+
+def test_resolver_beside_an_apps_own_nodes_and_a_path_that_is_not_there():
+    """At the root an app's own node (`moe:`) is not taken for `mode` or `model`
+    misspelled, while a node spelled like a node setting (`hardwre:`) still is; a path
+    to no node says which path and what to give instead."""
+    selector.register_resolvers()
+    app = OmegaConf.create({"model": "tiny", "mesh": "cpu_8", "moe": {"x": "${moe_exchange:}"}})
+    assert app.moe.x == "gather"
+    typo = OmegaConf.create(
+        {"model": "tiny", "hardwre": {"memory_gib": 3}, "d": "${moe_dispatch:}"}
+    )
+    with pytest.raises(Exception, match="UNKNOWN_SETTING"):
+        _ = typo.d
+    flat = OmegaConf.create({"model": "tiny", "mdl": 3, "modle": "x", "d": "${moe_dispatch:}"})
+    with pytest.raises(Exception, match="UNKNOWN_SETTING .modle."):
+        _ = flat.d
+    lost = OmegaConf.create({"model": "tiny", "run": {"e": "${moe_exchange:nope}"}})
+    with pytest.raises(Exception, match="no node 'nope' in the config"):
+        _ = lost.run.e

@@ -728,7 +728,7 @@ def test_an_error_a_fix_uncovers_is_fixed_after_it():
     (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
     assert len(hit.fixes) == 3 and not hit.no_fix
     for offered in hit.fixes:
-        assert "alone leaves DECODE_CONTEXT_PARALLEL; then" in offered.note
+        assert "alone leaves DECODE_CONTEXT_PARALLEL, which the rest clears" in offered.note
         fixed = typed(*over, *offered.render().split())
         assert not [f for f in selector.validate(fixed) if f.severity is Severity.error]
 
@@ -738,7 +738,7 @@ def test_a_fix_is_followed_only_by_the_fixes_of_the_one_error_it_uncovers():
     each applied after the fix (its overrides winning where both set a knob); nothing
     where the finding stands, where the error was there before, or where two are new."""
     from selector.findings import error, fix
-    from selector.plan import _then_fixes
+    from selector.plan import _lays_out_only, _then_fixes
 
     mesh = error("MESH_DEVICE_MISMATCH", "num_devices", "m.", [fix(ici_fsdp_parallelism=-1)])
     move = mesh.fixes[0]
@@ -756,10 +756,34 @@ def test_a_fix_is_followed_only_by_the_fixes_of_the_one_error_it_uncovers():
         (("ici_fsdp_parallelism", -1), ("ici_data_parallelism", 4)),
     ]
     assert then[0].note == (
-        "ici_fsdp_parallelism=-1 alone leaves DECODE_CONTEXT_PARALLEL; then to data"
+        "ici_fsdp_parallelism=-1 alone leaves DECODE_CONTEXT_PARALLEL, which the rest clears"
     )
-    assert then[1].note.endswith("; then ici_data_parallelism=4")
+    assert then[1].note == then[0].note
+    # Where the work runs, and only that, may follow: mesh axes, devices, slices, batch.
+    for knob in ("ici_tensor_parallelism", "dcn_data_parallelism", "num_devices", "num_slices"):
+        assert _lays_out_only(fix(**{knob: 2}))
+    assert _lays_out_only(fix(per_device_batch_size=0.5, ici_data_parallelism=2))
+    for knob in ("num_experts", "base_emb_dim", "param_dtype", "capacity_factor"):
+        assert not _lays_out_only(fix(**{knob: 2}, ici_data_parallelism=2))
     assert _then_fixes(mesh, move, [mesh, decode], set()) == []  # still standing
     assert _then_fixes(mesh, move, [decode], {"DECODE_CONTEXT_PARALLEL"}) == []  # not new
     assert _then_fixes(mesh, move, [decode, other], set()) == []
     assert _then_fixes(mesh, move, [], set()) == []
+
+
+def test_a_fix_that_uncovers_two_errors_is_named_with_what_it_adds():
+    """Decode at cp 4 with a fractional batch on a 16-device mesh for 8: each mesh fix
+    adds two errors, which one follow-up cannot clear. "No fix was found" then names
+    each fix with the errors it adds, not only that it failed."""
+    over = (
+        "model=tiny",
+        "mesh=cpu_8",
+        "mode=decode",
+        "ici_context_parallelism=4",
+        "ici_fsdp_parallelism=4",
+        "per_device_batch_size=0.3",
+    )
+    (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
+    assert not hit.fixes
+    assert hit.no_fix.startswith("No fix was found: ici_fsdp_parallelism=-1 adds ")
+    assert hit.no_fix.count("GLOBAL_BATCH_FRACTIONAL and DECODE_CONTEXT_PARALLEL") == 3
