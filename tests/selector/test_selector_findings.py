@@ -712,19 +712,22 @@ def test_a_fix_is_completed_with_a_batch_only_where_a_new_batch_error_alone_stop
     assert _with_batch_fix(mesh, move, [mesh, batch], set()) is None  # still standing
 
 
+# Decode at cp 4 on a mesh of 16 devices (fsdp 4 x context 4) where there are 8.
+DECODE_CP4_ON_16 = (
+    "model=tiny",
+    "mesh=cpu_8",
+    "mode=decode",
+    "ici_context_parallelism=4",
+    "ici_fsdp_parallelism=4",
+)
+
+
 def test_an_error_a_fix_uncovers_is_fixed_after_it():
     """Decode at cp 4 on a mesh of 16 devices for 8: every mesh fix makes the mesh whole
     and leaves the sequence split at decode (DECODE_CONTEXT_PARALLEL), which the first
     error hid. Each such fix is offered followed by a fix of the error it uncovers, and
     applied, leaves no error (the finding said "No fix was found" before)."""
-    over = (
-        "model=tiny",
-        "mesh=cpu_8",
-        "mode=decode",
-        "ici_context_parallelism=4",
-        "ici_fsdp_parallelism=4",
-        "per_device_batch_size=1",
-    )
+    over = (*DECODE_CP4_ON_16, "per_device_batch_size=1")
     (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
     assert len(hit.fixes) == 3 and not hit.no_fix
     for offered in hit.fixes:
@@ -775,14 +778,7 @@ def test_a_fix_that_uncovers_two_errors_is_named_with_what_it_adds():
     """Decode at cp 4 with a fractional batch on a 16-device mesh for 8: each mesh fix
     adds two errors, which one follow-up cannot clear. "No fix was found" then names
     each fix with the errors it adds, not only that it failed."""
-    over = (
-        "model=tiny",
-        "mesh=cpu_8",
-        "mode=decode",
-        "ici_context_parallelism=4",
-        "ici_fsdp_parallelism=4",
-        "per_device_batch_size=0.3",
-    )
+    over = (*DECODE_CP4_ON_16, "per_device_batch_size=0.3")
     (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
     assert not hit.fixes
     assert hit.no_fix.startswith("No fix was found: ici_fsdp_parallelism=-1 adds ")
