@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -236,7 +237,7 @@ def analyse(
     findings = [*given, *found]
     if not check_fixes:
         return plan, findings
-    search = _FixSearch(route, live_shape, findings, cfg)
+    search = _FixSearch(route, live_shape, findings, cfg, plan)
     verified = [search.verified(f) for f in findings]
     findings = [f for f, _, _ in verified]
     if not any(clears_all for _, clears_all, _ in verified):
@@ -256,8 +257,17 @@ class _FixSearch:
     """The fixes of one config's findings, each run on the route and analysed once
     (a config two fixes share is analysed once)."""
 
-    def __init__(self, route: Route, live_shape, before: list[Finding], config: Config):
+    def __init__(self, route: Route, live_shape, before: list[Finding], config: Config, plan=None):
         self.route, self.live_shape, self.config = route, live_shape, config
+        # MaxText's global batch (per_device_batch_size x devices), also where the
+        # config's mesh is too broken for a plan (a live mesh's devices come with one).
+        self.batch = (
+            plan.per_device.global_batch
+            if plan is not None
+            else None
+            if live_shape is not None
+            else _config_batch(config)
+        )
         self.old_errors = {f.code for f in errors_in(before)}
         self._runs: dict = {}
 
@@ -301,7 +311,7 @@ class _FixSearch:
                         completions.append(then)
                         again = self.run(then)
                         if again is not None and self._clears(finding, again[2]):
-                            fix_, ran = then, again
+                            fix_, ran = then, (self._batch_said(again[0], again[1]), *again[1:])
                             break
             if ran is None:
                 continue
@@ -320,6 +330,17 @@ class _FixSearch:
         checked = finding.with_fixes(ranked, failed=tuple(failed))
         run = finding.tried or (*finding.fixes, *completions)
         return dataclasses.replace(checked, tried=run), clears_all, kept
+
+    def _batch_said(self, fix_: Fix, plan) -> Fix:
+        """A fix made here (a joint or follow-up fix, whose notes do not say it) with
+        the global batch it leads to, where that is not the config's."""
+        if plan is None or self.batch is None or plan.per_device.global_batch == self.batch:
+            return fix_
+        change = (
+            f"the global batch goes from {self.batch:g} to "
+            f"{plan.per_device.global_batch:g} sequences"
+        )
+        return dataclasses.replace(fix_, note=f"{fix_.note}; {change}" if fix_.note else change)
 
     def _left_by(self, finding: Finding, after: list[Finding]) -> str:
         """What a fix that did not hold left: the finding, or the errors it added."""
@@ -356,7 +377,8 @@ class _FixSearch:
             spelled, plan, _ = ran
             held = plan.chosen_estimate.device_bytes
             if best is None or held < best[0]:
-                best = (held, _with_device_note(spelled, plan.chosen_estimate))
+                said = self._batch_said(spelled, plan)
+                best = (held, _with_device_note(said, plan.chosen_estimate))
         if best is None:
             return findings
         joint = best[1]
@@ -364,6 +386,16 @@ class _FixSearch:
             f.with_fixes(ranked_fixes([joint, *f.fixes])) if f.severity is Severity.error else f
             for f in findings
         ]
+
+
+def _config_batch(cfg: Config) -> float | None:
+    """MaxText's global batch as the config's knobs give it, or None where a knob is
+    unknown or not a finite number (its own finding says so)."""
+    try:
+        batch = float(cfg.per_device_batch_size) * int(cfg.num_devices)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return batch if math.isfinite(batch) else None
 
 
 def _changes_nothing(cfg: Config, fix_: Fix) -> bool:

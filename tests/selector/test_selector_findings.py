@@ -730,6 +730,9 @@ def test_an_error_a_fix_uncovers_is_fixed_after_it():
     over = (*DECODE_CP4_ON_16, "per_device_batch_size=1")
     (hit,) = [f for f in selector.validate(typed(*over)) if f.code == "MESH_DEVICE_MISMATCH"]
     assert len(hit.fixes) == 3 and not hit.no_fix
+    # The one that doubles the devices says what that does to the global batch.
+    said = [x.render() for x in hit.fixes if "global batch goes from 8 to 16" in x.note]
+    assert said == ["num_devices=16 ici_data_parallelism=4 ici_context_parallelism=1"]
     for offered in hit.fixes:
         assert "alone leaves DECODE_CONTEXT_PARALLEL, which the rest clears" in offered.note
         fixed = typed(*over, *offered.render().split())
@@ -783,3 +786,15 @@ def test_a_fix_that_uncovers_two_errors_is_named_with_what_it_adds():
     assert not hit.fixes
     assert hit.no_fix.startswith("No fix was found: ici_fsdp_parallelism=-1 adds ")
     assert hit.no_fix.count("GLOBAL_BATCH_FRACTIONAL and DECODE_CONTEXT_PARALLEL") == 3
+
+
+def test_a_joint_fix_says_what_it_does_to_the_global_batch():
+    """DeepSeek-V3 on 64 v5p at cp 4 with one sequence a device: the fix that clears
+    the inflated batch and the memory together takes 256 chips, so the global batch goes
+    from 64 to 256 sequences; the joint fix says so (a rule's own batch fix says it in
+    its note, a joint one had not)."""
+    over = ("model=deepseek_v3", "hardware=v5p", "ici_context_parallelism=4")
+    over += ("per_device_batch_size=1", "max_target_length=8192")
+    found = selector.validate(selector.to_config(selector.compose(list(over))))
+    joint = {x for f in found for x in f.fixes if x.joint}
+    assert joint and all("the global batch goes from 64 to 256 sequences" in x.note for x in joint)
