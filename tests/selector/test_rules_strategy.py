@@ -182,6 +182,11 @@ def test_the_capacity_path_costly_is_offered_dropless_routing():
     plan, found = analyse(selector.to_config(selector.compose([*over, "capacity_factor=-1"])))
     assert plan.strategy is not selector.Dispatch.subgroup_capacity
     assert "CAPACITY_COSTLY" not in {f.code for f in found}
+    # Asked for by name, the capacity path is what the user chose: no warning.
+    named = [*over, "capacity_factor=1.25", "dispatch=subgroup_capacity"]
+    plan, found = analyse(selector.to_config(selector.compose(named)))
+    assert plan.strategy is selector.Dispatch.subgroup_capacity
+    assert "CAPACITY_COSTLY" not in {f.code for f in found}
 
 
 def test_an_exchange_asked_of_the_dense_dispatch_is_offered_megablox_or_the_gather():
