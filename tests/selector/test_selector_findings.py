@@ -798,3 +798,33 @@ def test_a_joint_fix_says_what_it_does_to_the_global_batch():
     found = selector.validate(selector.to_config(selector.compose(list(over))))
     joint = {x for f in found for x in f.fixes if x.joint}
     assert joint and all("the global batch goes from 64 to 256 sequences" in x.note for x in joint)
+
+
+def test_a_fix_made_by_the_search_says_the_batch_only_where_it_changes():
+    """`_FixSearch._batch_said` on the tiny model's plan (global batch 8): nothing said
+    without a plan, without a known batch, or where the batch stays; otherwise the change,
+    after the fix's own note where it has one."""
+    from selector.findings import fix
+    from selector.plan import _FixSearch, analyse, native_route
+
+    cfg = typed("model=tiny", "mesh=cpu_8")
+    plan, _ = analyse(cfg)
+    bigger, _ = analyse(typed("model=tiny", "mesh=cpu_8", "per_device_batch_size=2"))
+    search = _FixSearch(native_route(cfg), None, [], cfg, plan)
+    assert search.batch == 8
+    plain, noted = fix(per_device_batch_size=2), fix("twice", per_device_batch_size=2)
+    assert search._batch_said(plain, plan) is plain
+    assert search._batch_said(plain, None) is plain
+    said = "the global batch goes from 8 to 16 sequences"
+    assert search._batch_said(plain, bigger).note == said
+    assert search._batch_said(noted, bigger).note == f"twice; {said}"
+    search.batch = None  # a live mesh with no plan: the batch is not known
+    assert search._batch_said(plain, bigger) is plain
+    # Without a plan, the config's own knobs give the batch, where they are known.
+    assert _FixSearch(native_route(cfg), None, [], cfg).batch == 8
+    assert _FixSearch(native_route(cfg), {"data": 8}, [], cfg).batch is None
+    from selector.plan import _config_batch
+
+    assert _config_batch(dataclasses.replace(cfg, per_device_batch_size=0.5)) == 4
+    assert _config_batch(dataclasses.replace(cfg, per_device_batch_size=float("inf"))) is None
+    assert _config_batch(dataclasses.replace(cfg, num_devices=None)) is None
