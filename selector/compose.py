@@ -23,7 +23,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from .config import AxisRules, Config, Hardware
+from .config import MAX_INT, AxisRules, Config, Hardware
 from .findings import ConfigError, error, shown
 
 SCHEMA_NAME = "base_config"
@@ -435,7 +435,6 @@ def _typed_by_schema(cfg: Any) -> bool:
 
 
 MAX_DEPTH = 16  # a setting's value nests lists or mappings at most this deep
-MAX_INT = 2**63  # no setting holds a larger whole number
 
 
 def _check_plain(key: str, value: Any) -> None:

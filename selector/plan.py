@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import rules, targets
-from .config import Config, Dispatch, Exchange, Mode
+from .config import MAX_INT, Config, Dispatch, Exchange, Mode
 from .cost import Estimate, estimate
 from .findings import Finding, Fix, Severity, errors_in, ranked_fixes, warning
 from .mesh import MeshView, build_mesh_view
@@ -208,6 +208,9 @@ def native_route(cfg: Config) -> Route:
     """The selector's own route: a fix is its overrides applied to `cfg`."""
 
     def run(fix_: Fix):
+        # A size no setting can take is refused as the command line refuses it.
+        if any(isinstance(v, int) and abs(v) > MAX_INT for _, v in fix_.overrides):
+            return None
         try:
             return fix_, cfg.apply(fix_.overrides), []
         except (TypeError, ValueError):

@@ -209,7 +209,7 @@ def _memory_fixes(
     exchanged, more slices (2x, 4x, and `slices`x when more are needed), a lighter step,
     and (when the activations dominate) fewer tokens a device."""
     return [
-        fix(param_dtype="bfloat16"),
+        fix("weights stored in 16 bits", param_dtype="bfloat16"),
         fix("weights stored in 8 bits", param_dtype="float8_e4m3fn"),
         *_exchange_fixes(mesh),
         *_more_slices(cfg, mesh, slices),

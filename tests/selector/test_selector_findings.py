@@ -828,3 +828,33 @@ def test_a_fix_made_by_the_search_says_the_batch_only_where_it_changes():
     assert _config_batch(dataclasses.replace(cfg, per_device_batch_size=0.5)) == 4
     assert _config_batch(dataclasses.replace(cfg, per_device_batch_size=float("inf"))) is None
     assert _config_batch(dataclasses.replace(cfg, num_devices=None)) is None
+
+
+def test_no_fix_offers_a_size_no_setting_takes():
+    """tensor = expert = 2**40 (hypothesis's find): TENSOR_SPLITS_HEADS moved tensor's
+    devices to expert, 2**79 of them, which the fix search ran (the config takes any int)
+    and offered, though a config read from settings refuses a size past 2**63. Each fix
+    offered now converts as a user's settings do."""
+    over = [
+        "model=tiny",
+        "base_emb_dim=1",
+        "base_moe_mlp_dim=1",
+        "num_experts=1",
+        "num_experts_per_tok=1",
+        "base_num_decoder_layers=1",
+        "per_device_batch_size=0.125",
+        "max_target_length=1",
+        f"ici_tensor_parallelism={2**40}",
+        f"ici_expert_parallelism={2**40}",
+        "ici_fsdp_parallelism=1",
+        "hardware=cpu",
+        "num_slices=1",
+    ]
+    cfg = dataclasses.replace(selector.to_config(selector.compose(over)), num_devices=None)
+    found = selector.validate(cfg)
+    assert "TENSOR_SPLITS_HEADS" in {f.code for f in found}
+    settings = dataclasses.asdict(cfg)
+    for f in found:
+        for offered in f.fixes:
+            fixed = {**settings, **{k: v for k, v in offered.overrides if "." not in k}}
+            selector.to_config(fixed)  # raises ConfigError (VALUE_TOO_LARGE) if refused
