@@ -243,7 +243,7 @@ def chip_constants(preset, dry: bool) -> dict:
     pass_s = machine._timed(jax.jit(lambda x: x * 1.0001 + 0.5), x)
     launch_s = machine.launch()
     if dry:
-        rows, kn, tiles, einsums = (8, 64), ((64, 128),), (32, 64), ((8, 64, 32, 64),)
+        rows, kn, tiles, einsums = (8, 64), ((64, 128),), (32,), ((8, 64, 32, 64),)
     else:
         rows = (8, 64, 512, 2048, 8192)
         kn = ((640, 1280), (2048, 768), (7168, 2048))
@@ -252,7 +252,7 @@ def chip_constants(preset, dry: bool) -> dict:
     measured = {
         "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
         "hbm_bandwidth_gbps": 2 * 4 * size / pass_s / 1e9,
-        "gather_gbps": machine.gather()[0],
+        "gather_gbps": machine.gather(1024 if dry else 8192)[0],
         "call_us": machine.call() * 1e6,
         "launch_us": launch_s * 1e6,
         "loop_trip_us": machine.loop_trip(launch_s) * 1e6,

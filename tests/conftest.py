@@ -2,15 +2,10 @@
 
 import os
 
-# XLA:CPU may approximate transcendental functions by the CPU it runs on ("platform
-# dependent math"). jax 0.12.0.1 does on an AMD EPYC with AVX-512: the skewed-routing
-# parity tests (test_expert_parallel) were 1.2e-5 of scale off the float32 reference,
-# 3.5e-7 with it off, and jax 0.10.2 5e-7 either way. The parity tests check this
-# project's arithmetic, not the compiler's approximations, so they run without them.
+from subproc import TEST_XLA_FLAGS  # a plain helper: no jax
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8"
-    + " --xla_cpu_enable_platform_dependent_math=false"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_XLA_FLAGS
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
