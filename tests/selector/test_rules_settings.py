@@ -44,6 +44,32 @@ def found_of(code: str, *overrides: str):
             "gmm_backend",
             [{"gmm_backend": GmmBackend.tiled_gmm}],
         ),
+        # A row tile rounded up to whole sublanes: 8 rows of float32, 16 of bfloat16.
+        (
+            "GMM_ROW_TILE_UNSUPPORTED",
+            ("gmm_row_tile=20",),
+            "gmm_row_tile",
+            [{"gmm_row_tile": 0}, {"gmm_row_tile": 24}],
+        ),
+        (
+            "GMM_ROW_TILE_UNSUPPORTED",
+            ("gmm_row_tile=20", "dtype=bfloat16"),
+            "gmm_row_tile",
+            [{"gmm_row_tile": 0}, {"gmm_row_tile": 32}],
+        ),
+        ("DTYPE_UNKNOWN", ("dtype=foo",), "dtype", [{"dtype": "bfloat16"}, {"dtype": "float32"}]),
+        (
+            "PARAM_DTYPE_UNKNOWN",
+            ("param_dtype=foo",),
+            "param_dtype",
+            [{"param_dtype": "bfloat16"}, {"param_dtype": "float32"}],
+        ),
+        (
+            "CAPACITY_FACTOR_INVALID",
+            ("capacity_factor=inf",),
+            "capacity_factor",
+            [{"capacity_factor": -1.0}, {"capacity_factor": 1.25}],
+        ),
         # 2 key/value heads over tensor=4: tensor 2, its other devices to context, fsdp,
         # expert or data (the last three with the batch their new shards need).
         (
@@ -107,3 +133,31 @@ def test_mla_sizes_are_checked_only_for_mla():
     assert setting == "kv_lora_rank"
     _, found = analyse(typed("kv_lora_rank=0"))
     assert "DECODER_SIZE_INVALID" not in {f.code for f in found}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # Every group allowed (topk_routing_group = n_routing_groups).
+        ("num_experts=8", "n_routing_groups=4", "topk_routing_group=4", "num_experts_per_tok=2"),
+        # The allowed groups hold exactly k experts (2 groups of 2 for k=4).
+        ("num_experts=8", "n_routing_groups=4", "topk_routing_group=2", "num_experts_per_tok=4"),
+    ],
+)
+def test_routing_groups_at_their_limits_are_accepted(overrides):
+    _, found = analyse(typed(*overrides))
+    assert "ROUTING_GROUPS_INVALID" not in {f.code for f in found}
+
+
+def test_ulysses_shares_the_heads_left_after_the_tensor_split():
+    """The tiny model's 2 key/value heads split over tensor=2 leave one a device, which
+    context=2 cannot share out under Ulysses (without the tensor split 2 would divide)."""
+    over = ("ici_context_parallelism=2", "ici_tensor_parallelism=2", "per_device_batch_size=0.25")
+    _, found = analyse(typed(*over, "context_parallel_strategy=ulysses"))
+    (heads,) = [f for f in found if f.code == "ULYSSES_SPLITS_HEADS"]
+    assert "base_num_kv_heads=2 leaves 1 a device after tensor=2" in heads.message
+    assert [dict(x.overrides) for x in heads.fixes] == [{"context_parallel_strategy": "all_gather"}]
+    _, found = analyse(
+        typed(*over[:1], "per_device_batch_size=0.5", "context_parallel_strategy=ulysses")
+    )
+    assert "ULYSSES_SPLITS_HEADS" not in {f.code for f in found}
