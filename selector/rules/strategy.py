@@ -380,7 +380,11 @@ def exchange_settings(cfg: Config, mesh: MeshView, strategy: Dispatch, options) 
                 [*_experts_from(cfg, mesh), gather],
             )
         ]
-    fixes = [fix(expert_group=ExpertGroup.expert)] if group.folded else []
+    # The narrower groups a config can ask for: the fsdp axes left out, then the sequence
+    # axes too (the fix search keeps those whose group splits num_experts).
+    narrower = [ExpertGroup.expert_and_sequence] if group.fsdp and group.folded else []
+    narrower += [ExpertGroup.expert] if group.fsdp or group.folded else []
+    fixes = [fix(expert_group=g) for g in narrower]
     return [
         error(
             "EXPERTS_NOT_DIVISIBLE_BY_GROUP",

@@ -252,3 +252,44 @@ def test_a_fix_that_changes_nothing_is_neither_offered_nor_named():
         "No fix was found: param_dtype=float8_e4m3fn leaves it standing;"
     )
     assert "param_dtype=bfloat16" not in margin.message
+
+
+@pytest.mark.parametrize(
+    ("mesh", "groups"),
+    [
+        # fsdp 4 x expert 2 (8 devices) does not split 12 experts; the expert axis does.
+        (("ici_fsdp_parallelism=4", "ici_expert_parallelism=2"), ["expert"]),
+        # fsdp 2 x expert 2 x context 2: without fsdp (4 devices) or the expert axis alone.
+        (
+            (
+                "ici_fsdp_parallelism=2",
+                "ici_expert_parallelism=2",
+                "ici_context_parallelism=2",
+                "per_device_batch_size=0.5",
+            ),
+            ["expert_and_sequence", "expert"],
+        ),
+    ],
+)
+def test_a_folded_group_that_does_not_split_the_experts_is_offered_the_narrower_groups(
+    mesh, groups
+):
+    """expert_group=expert_sequence_and_fsdp over a group whose devices do not divide
+    num_experts=12: each narrower group that does is offered, then the gather."""
+    over = ["num_experts=12", "expert_exchange=all_to_all", "dispatch=megablox"]
+    _, found = analyse(typed(*mesh, *over, "expert_group=expert_sequence_and_fsdp"))
+    (split,) = [f for f in found if f.code == "EXPERTS_NOT_DIVISIBLE_BY_GROUP"]
+    assert [dict(x.overrides) for x in split.fixes] == [
+        *({"expert_group": selector.ExpertGroup(g)} for g in groups),
+        {"expert_exchange": selector.Exchange.gather},
+    ]
+
+
+def test_a_group_of_two_that_does_not_split_the_experts_is_not_called_empty():
+    """expert=2 is a group (2 devices) that 5 experts do not split: the finding says so,
+    not that the mesh gives no group."""
+    over = ["ici_fsdp_parallelism=4", "ici_expert_parallelism=2", "num_experts=5"]
+    over += ["num_experts_per_tok=2", "expert_exchange=all_to_all", "dispatch=megablox"]
+    _, found = analyse(typed(*over))
+    codes = {f.code for f in found}
+    assert "EXPERTS_NOT_DIVISIBLE_BY_GROUP" in codes and "EXPERT_GROUP_EMPTY" not in codes
