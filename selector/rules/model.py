@@ -147,10 +147,11 @@ def ulysses_splits_whole_heads(cfg: Config, mesh: MeshView, dev=None) -> list[Fi
         return []
     heads = {"base_num_query_heads": cfg.base_num_query_heads}
     heads["base_num_kv_heads"] = cfg.base_num_kv_heads
+    # A single key/value head left a device is among these: 1 is no multiple of size > 1.
     bad = [(k, n) for k, n in heads.items() if n % tensor or (n // tensor) % size]
-    if not bad and cfg.base_num_kv_heads > 1:
+    if not bad:
         return []
-    name, n = bad[-1] if bad else ("base_num_kv_heads", cfg.base_num_kv_heads)
+    name, n = bad[-1]
     return [
         error(
             "ULYSSES_SPLITS_HEADS",

@@ -70,6 +70,18 @@ def found_of(code: str, *overrides: str):
             "capacity_factor",
             [{"capacity_factor": -1.0}, {"capacity_factor": 1.25}],
         ),
+        (
+            "TOPK_EXCEEDS_EXPERTS",
+            ("num_experts=1", "num_experts_per_tok=2"),
+            "num_experts_per_tok",
+            [{"num_experts_per_tok": 1}],
+        ),
+        (
+            "REMAT_POLICY_UNKNOWN",
+            ("remat_policy=fastest",),
+            "remat_policy",
+            [{"remat_policy": "full"}, {"remat_policy": "minimal"}],
+        ),
         # 2 key/value heads over tensor=4: tensor 2, its other devices to context, fsdp,
         # expert or data (the last three with the batch their new shards need).
         (
@@ -161,3 +173,26 @@ def test_ulysses_shares_the_heads_left_after_the_tensor_split():
         typed(*over[:1], "per_device_batch_size=0.5", "context_parallel_strategy=ulysses")
     )
     assert "ULYSSES_SPLITS_HEADS" not in {f.code for f in found}
+
+
+def test_mla_query_heads_over_tensor_are_checked_and_named():
+    """MLA's heads are all query heads: 6 over tensor=4 do not divide, and the fixes keep
+    the tensor axis that divides them (2), not the heads' own count."""
+    over = ("attention_type=mla", "base_num_query_heads=6", "ici_tensor_parallelism=4")
+    _, found = analyse(typed(*over, "ici_fsdp_parallelism=2", "per_device_batch_size=0.25"))
+    (heads,) = [f for f in found if f.code == "TENSOR_SPLITS_HEADS"]
+    assert "base_num_query_heads=6 is not a multiple" in heads.message
+    assert all(dict(x.overrides)["ici_tensor_parallelism"] == 2 for x in heads.fixes)
+    assert heads.fixes
+
+
+def test_a_capacity_factor_that_is_not_finite_is_one_finding():
+    _, found = analyse(typed("capacity_factor=inf"))
+    codes = [f.code for f in found if f.setting == "capacity_factor"]
+    assert codes == ["CAPACITY_FACTOR_INVALID"]
+
+
+def test_every_chip_number_that_is_not_finite_is_named():
+    _, found = analyse(typed("hardware.memory_gib=inf", "hardware.matmul_tflops=nan"))
+    named = [f.setting for f in found if f.code == "VALUE_NOT_FINITE"]
+    assert named == ["hardware.memory_gib", "hardware.matmul_tflops"]
