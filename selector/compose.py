@@ -23,7 +23,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from .config import MAX_INT, AxisRules, Config, Hardware
+from .config import AxisRules, Config, Hardware, past_max_int
 from .findings import ConfigError, error, shown
 
 SCHEMA_NAME = "base_config"
@@ -455,7 +455,7 @@ def _check_plain(key: str, value: Any) -> None:
                     )
                 ]
             )
-        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
+        if past_max_int(item):
             digits = int(item.bit_length() * 0.30103) + 1
             raise ConfigError(
                 [

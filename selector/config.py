@@ -503,10 +503,17 @@ class Config(Frozen):
         return dataclasses.replace(self, **top)
 
 
+MAX_INT = 2**63  # no setting holds a larger whole number
+
+
+def past_max_int(value) -> bool:
+    """Whether `value` is a whole number no setting can hold (past MAX_INT either way)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT
+
+
 # Compute dtypes the layers run in, and storage dtypes they can hold weights in (a
 # float8 weight is cast to the compute dtype inside the block, as MaxText 0.2.5's source
 # does; read there, not run).
-MAX_INT = 2**63  # no setting holds a larger whole number
 COMPUTE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PARAM_DTYPES = {**COMPUTE_DTYPES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 DTYPE_BYTES = PARAM_DTYPES

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import rules, targets
-from .config import MAX_INT, Config, Dispatch, Exchange, Mode
+from .config import Config, Dispatch, Exchange, Mode, past_max_int
 from .cost import Estimate, estimate
 from .findings import Finding, Fix, Severity, errors_in, ranked_fixes, warning
 from .mesh import MeshView, build_mesh_view
@@ -209,7 +209,7 @@ def native_route(cfg: Config) -> Route:
 
     def run(fix_: Fix):
         # A size no setting can take is refused as the command line refuses it.
-        if any(isinstance(v, int) and abs(v) > MAX_INT for _, v in fix_.overrides):
+        if any(past_max_int(v) for _, v in fix_.overrides):
             return None
         try:
             return fix_, cfg.apply(fix_.overrides), []
@@ -263,14 +263,13 @@ class _FixSearch:
     def __init__(self, route: Route, live_shape, before: list[Finding], config: Config, plan=None):
         self.route, self.live_shape, self.config = route, live_shape, config
         # MaxText's global batch (per_device_batch_size x devices), also where the
-        # config's mesh is too broken for a plan (a live mesh's devices come with one).
-        self.batch = (
-            plan.per_device.global_batch
-            if plan is not None
-            else None
-            if live_shape is not None
-            else _config_batch(config)
-        )
+        # config's mesh is too broken for a plan; unknown beside a live mesh without a
+        # plan, whose devices the config does not count.
+        self.batch = None
+        if plan is not None:
+            self.batch = plan.per_device.global_batch
+        elif live_shape is None:
+            self.batch = _config_batch(config)
         self.old_errors = {f.code for f in errors_in(before)}
         self._runs: dict = {}
 
