@@ -214,8 +214,11 @@ def time_layer(layer: Layer, hardwares: dict, devices: int, dry: bool, rounds: i
 
 
 def _curve(rows: list[dict]) -> list[list[float]]:
-    """bench.calibration.machine's curve rows as the preset's [MFLOPs, TFLOP/s] pairs."""
-    return [[r["mflops"], r["tflops"]] for r in rows]
+    """bench.calibration.machine's curve rows as the preset's points
+    (`machine.curve_point`)."""
+    from bench.calibration.machine import curve_point
+
+    return [curve_point(r) for r in rows]
 
 
 def chip_constants(preset, dry: bool) -> dict:

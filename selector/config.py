@@ -202,8 +202,9 @@ class Hardware(Frozen):
     platform: str = "cpu"  # cpu | gpu | tpu: picks the grouped-matmul backend
     memory_gib: float = 16.0  # per device
     matmul_tflops: float = 1.0  # a device's dense matmul peak in the compute dtype
-    # [MFLOPs a dot, TFLOP/s]: the rate a device sustains by a dot's size, measured
-    # (empty: every dot at matmul_tflops): plain dots, the grouped matmul's tile visits
+    # [MFLOPs a dot, TFLOP/s], or [MFLOPs, TFLOP/s, K x N] where measured at several
+    # matrix sizes (`selector.timing.matmul_rate`): the rate a device sustains by a
+    # dot's size (empty: every dot at matmul_tflops): plain dots, the grouped matmul's tile visits
     # (tiled_gmm: its forward; its input and weight gradients, each its own pass, on
     # the forward's curve where they have none), and the dense and capacity paths'
     # einsums batched over experts.

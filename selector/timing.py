@@ -3,7 +3,8 @@ machine's constants. Nothing here is fitted to a candidate's timing.
 
 A step is counted as `Work` (`count_work`), read off the layers' programs:
 
-- dots: every matmul, by its size in FLOPs: the grouped matmul's tiles as its tile plan
+- dots: every matmul, by its size in FLOPs and the elements of the matrix it multiplies
+  by (K x N; 0 where none is named): the grouped matmul's tiles as its tile plan
   visits them (`selector.tiles`), by tiled_gmm's pass (forward three dots a tile, two
   more in the exchange's backward, which recomputes the two input products; three
   input gradients and three weight gradients), the dense and capacity paths' einsums,
@@ -33,7 +34,7 @@ A step is counted as `Work` (`count_work`), read off the layers' programs:
 
 `price` turns work into four parts with the constants of `Hardware` (conf/hardware/):
 
-    compute  = sum over dots of FLOPs / rate(dot size)       (its kind's curve, or peak)
+    compute  = sum over dots of FLOPs / rate(dot size, matrix size)  (its kind's curve, or peak)
     memory   = memory bytes / HBM bandwidth + gather bytes / gather bandwidth
                + relayout bytes / relayout bandwidth + transpose bytes / transpose bandwidth
                + activation copies / their relayout and transpose bandwidths
@@ -97,7 +98,9 @@ SORT_BYTES = 8  # a row's key and index, moved once per merge pass of the sort
 class Work:
     """What a candidate's program does on one device in one step, counted."""
 
-    dots: tuple[tuple[str, float, float], ...]  # (kind, FLOPs a dot, dots of that size)
+    # (kind, FLOPs a dot, dots of that size, elements of the matrix it multiplies by: K x N,
+    # 0 where not named)
+    dots: tuple[tuple[str, float, float, float], ...]
     memory_bytes: float
     gather_bytes: float
     collectives: float
@@ -134,11 +137,11 @@ class Work:
 
     @property
     def flops(self) -> float:
-        return sum(f * n for _, f, n in self.dots)
+        return sum(f * n for _, f, n, _ in self.dots)
 
     @property
     def dot_count(self) -> float:
-        return sum(n for _, _, n in self.dots)
+        return sum(n for _, _, n, _ in self.dots)
 
 
 @dataclass(frozen=True)
@@ -180,33 +183,60 @@ FALLBACK = {
 }
 
 
-def matmul_rate(flops: float, hw: Hardware, kind: str = "plain") -> float:
-    """FLOP/s a device sustains on a dot of `flops` FLOPs of `kind` (plain; a tiled_gmm
-    tile visit in its forward, input-gradient or weight-gradient pass; an einsum
-    batched over experts): its measured curve (log-log between its points, flat past
-    its ends), else the curve of the kind it falls back on (`FALLBACK`), else the
-    published peak."""
-    points = getattr(hw, CURVES[kind])
-    while not points and kind in FALLBACK:
-        kind = FALLBACK[kind]
-        points = getattr(hw, CURVES[kind])
-    curve = sorted((float(m) * 1e6, float(t) * 1e12) for m, t in points)
-    if not curve:
-        return hw.matmul_tflops * 1e12
+def _log_log(x: float, curve: list[tuple[float, float]]) -> float:
+    """The curve's value at `x`: log-log between its points, flat past its ends."""
+    curve = sorted(curve)
     sizes = [s for s, _ in curve]
-    i = bisect_left(sizes, flops)
+    i = bisect_left(sizes, x)
     if i == 0:
         return curve[0][1]
     if i == len(curve):
         return curve[-1][1]
     (s0, r0), (s1, r1) = curve[i - 1], curve[i]
-    w = (math.log(flops) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    w = (math.log(x) - math.log(s0)) / (math.log(s1) - math.log(s0))
     return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+
+
+def matmul_rate(flops: float, hw: Hardware, kind: str = "plain", matrix: float = 0.0) -> float:
+    """FLOP/s a device sustains on a dot of `flops` FLOPs of `kind` (plain; a tiled_gmm
+    tile visit in its forward, input-gradient or weight-gradient pass; an einsum
+    batched over experts) whose matrix has `matrix` elements (K x N; 0: not named).
+
+    Its measured curve, else the curve of the kind it falls back on (`FALLBACK`), else
+    the published peak. A curve's points are [MFLOPs a dot, TFLOP/s], or [MFLOPs a dot,
+    TFLOP/s, K x N] where it was measured at several matrix sizes: a dot's rate depends
+    on its matrix as well as its FLOPs (on XLA:CPU tiles by a 64 x 128 matrix run at
+    about half the rate of tiles by a 192 x 384 one of the same FLOPs), so a dot with a
+    named matrix reads each measured size's points at the dot's own rows, then between
+    the sizes around its matrix; all log-log, flat past the ends. Otherwise every point
+    is read along the FLOPs alone.
+
+    >>> hw = Hardware(name="x", platform="cpu", memory_gib=1, matmul_tflops=1,
+    ...               hbm_bandwidth_gbps=1, ici_bandwidth_gbps=1, dcn_bandwidth_gbps=1,
+    ...               gmm_curve=[[1.0, 0.01, 100.0], [1.0, 0.04, 10000.0]])
+    >>> round(matmul_rate(1e6, hw, "tile", 1000.0) / 1e9)  # halfway in log matrix size
+    20
+    """
+    points = getattr(hw, CURVES[kind])
+    while not points and kind in FALLBACK:
+        kind = FALLBACK[kind]
+        points = getattr(hw, CURVES[kind])
+    if not points:
+        return hw.matmul_tflops * 1e12
+    if matrix and all(len(point) > 2 for point in points):
+        by_matrix: dict[float, list[tuple[float, float]]] = {}
+        for mflops, tflops, elements in points:
+            by_matrix.setdefault(float(elements), []).append((mflops * 1e6, tflops * 1e12))
+        # Each size read at the dot's rows (its FLOPs scaled to that matrix), then
+        # between the sizes.
+        at_rows = [(m, _log_log(flops * m / matrix, c)) for m, c in by_matrix.items()]
+        return _log_log(matrix, at_rows)
+    return _log_log(flops, [(float(m) * 1e6, float(t) * 1e12) for m, t, *_ in points])
 
 
 def price(work: Work, hw: Hardware) -> TimeParts:
     """The four parts of `work`'s time under `hw`'s constants (the module docstring)."""
-    compute = sum(n * f / matmul_rate(f, hw, kind) for kind, f, n in work.dots)
+    compute = sum(n * f / matmul_rate(f, hw, kind, kn) for kind, f, n, kn in work.dots)
     hbm = hw.hbm_bandwidth_gbps
     ici, relayout, transpose = work.ici_bytes, work.relayout_bytes, work.transpose_bytes
     in_place = 0.0
@@ -324,9 +354,9 @@ def _dots_per_visit(p: Problem, exchanged: bool) -> dict[str, int]:
     return {"tile": 5 if exchanged else 3, "tile_input_grad": 3, "tile_weight_grad": 3}
 
 
-def _ffn_dots(kind: str, rows: float, p: Problem, dots: float) -> tuple[str, float, float]:
+def _ffn_dots(kind: str, rows: float, p: Problem, dots: float) -> tuple[str, float, float, float]:
     """`dots` dots of `rows` rows through one expert matrix (2 rows M H FLOPs each)."""
-    return (kind, 2 * rows * p.M * p.H, dots)
+    return (kind, 2 * rows * p.M * p.H, dots, p.M * p.H)
 
 
 def count_work(
@@ -343,11 +373,11 @@ def count_work(
     exchanged = strategy is Dispatch.megablox and exchange is Exchange.all_to_all
     bwd = 2 if p.train else 0  # a dot's backward: two more of its size
     routed = routed_rows(p.T, p.k)
-    dots: list[tuple[str, float, float]] = []
+    dots: list[tuple[str, float, float, float]] = []
     if strategy is not Dispatch.mlp:
-        dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd))  # router logits
+        dots.append(("plain", 2 * p.T * p.M * p.E, 1 + bwd, p.M * p.E))  # router logits
     if p.Hs:
-        dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd)))  # shared experts
+        dots.append(("plain", 2 * p.T * p.M * p.Hs, 3 * (1 + bwd), p.M * p.Hs))  # shared experts
     ops = trips = gather = visit_ops = visit_trips = copied_keep = copied_change = 0.0
     gmm_calls: tuple[tuple[float, float], ...] = ()
     collectives = 1.0  # the statistics' sum over the token axes
@@ -395,7 +425,7 @@ def count_work(
             gather += (2 + bwd) * routed * p.M * p.xb  # rows taken, results added back
     elif strategy is Dispatch.dense:
         dots.append(_ffn_dots("batched", p.T * p.E_c, p, 3 * (1 + bwd)))
-        dots.append(("batched", 2 * p.T * p.E_c * p.M, 1 + bwd))  # the combine
+        dots.append(("batched", 2 * p.T * p.E_c * p.M, 1 + bwd, 0.0))  # the combine
         ops += PROGRAM_OPS[("dense", p.train)]
         hidden_keep, hidden_change, out_keep, out_change = p.dense_copies
         hidden = 2 * p.T * p.E_c * p.H * p.xb  # a (T, E, H) activation read and written
@@ -407,7 +437,7 @@ def count_work(
         ops += PROGRAM_OPS[("dense", p.train)]
     else:  # subgroup_capacity: dispatch and combine einsums around the experts'
         slots = p.G * p.E * p.C
-        dots.append(("batched", 2 * slots * p.S * p.M, 2 * (1 + bwd)))
+        dots.append(("batched", 2 * slots * p.S * p.M, 2 * (1 + bwd), 0.0))
         dots.append(_ffn_dots("batched", slots, p, 3 * (1 + bwd)))
         ops += PROGRAM_OPS[("dense", p.train)]
     # One matrix gathered over the embed axes, copied once each way (read and written).

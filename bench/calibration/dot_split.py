@@ -77,7 +77,7 @@ def counted(config) -> tuple[float, float]:
     est = selector.resolve(config).chosen_estimate
     hw = config.hardware
     tiles = sum(
-        n * f / matmul_rate(f, hw, kind) for kind, f, n in est.work.dots if kind in TILE_KINDS
+        n * f / matmul_rate(f, hw, kind, m) for kind, f, n, m in est.work.dots if kind in TILE_KINDS
     )
     return tiles, est.time_s - tiles
 

@@ -14,8 +14,9 @@ single op, so the cost of calling a program drops out:
 - matmul_curve: float32 dots over a grid of shapes (rows 8 to 2,048, K x N 64 x 128 to
   640 x 1,280), each as the grouped matmul runs a tile: in a loop of 32 trips, rows
   sliced at a moving offset times one of 8 weights picked by the trip, written back in
-  place; per trip. The FLOP rate a device sustains against a dot's MFLOPs, sorted by
-  size (the count looks up each dot's rate there, log-log between points);
+  place; per trip. The FLOP rate a device sustains against a dot's MFLOPs and its
+  matrix's K x N (the count reads each dot's rate at its rows and matrix, log-log
+  between points: `selector.timing.matmul_rate`);
 - gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
   8 experts of one tile each, tiles of 32 to 512 rows (32: an array under 64 rows, each
   expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
@@ -863,13 +864,24 @@ def pass_curve(curve: list[dict], name: str) -> list[dict]:
     ]
 
 
+def curve_point(row: dict) -> list[float]:
+    """A curve row as conf/hardware's point: [MFLOPs a dot, TFLOP/s], and the K x N
+    elements of its matrix where its shape names one ("ROWSxKxN")."""
+    dims = _dims(row["shape"]) if row["shape"].count("x") == 2 else ()
+    return [row["mflops"], row["tflops"], *([dims[1] * dims[2]] if dims else [])]
+
+
 def curve_yaml(name: str, curve: list[dict]) -> str:
-    """A curve as conf/hardware's `{name}:` list of [MFLOPs a dot, TFLOP/s]."""
+    """A curve as conf/hardware's `{name}:` list of points (`curve_point`)."""
 
     def num(x: float) -> str:  # a float OmegaConf reads as one (3355.0, not 3355)
         return repr(float(f"{x:.4g}"))
 
-    points = ", ".join(f"[{num(p['mflops'])}, {num(p['tflops'])}]" for p in curve)
+    def point(p: dict) -> str:  # the matrix's elements exact
+        mflops, tflops, *matrix = curve_point(p)
+        return f"[{', '.join([num(mflops), num(tflops), *(repr(float(m)) for m in matrix)])}]"
+
+    points = ", ".join(point(p) for p in curve)
     return f"{name}: [{points}]"
 
 

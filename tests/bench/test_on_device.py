@@ -36,8 +36,11 @@ def test_dry_run_times_every_candidate_and_writes_each_picks_regret(jax_cpu8, tm
     constants = payload["constants"]
     for name in ("matmul_tflops", "hbm_bandwidth_gbps", "gather_gbps", "call_us", "launch_us"):
         assert constants["measured"][name] > 0, name
-    for name in ("matmul_curve", "gmm_curve", "einsum_curve"):  # [MFLOPs, TFLOP/s] pairs
-        assert all(len(pair) == 2 and pair[1] > 0 for pair in constants["measured"][name])
+    # [MFLOPs, TFLOP/s], and the K x N of the matrix where the dot names one (not the
+    # batched einsum's).
+    for name, size in (("matmul_curve", 3), ("gmm_curve", 3), ("einsum_curve", 2)):
+        points = constants["measured"][name]
+        assert points and all(len(p) == size and p[1] > 0 for p in points), name
     assert set(constants["measured_over_published"]) == {"matmul_tflops", "hbm_bandwidth_gbps"}
     assert payload["failed_layers"] == {} and payload["skipped_for_time"] == []
     summary = payload["summary"]

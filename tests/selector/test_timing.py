@@ -3,6 +3,7 @@ here, and each part priced by the machine's constants."""
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from helpers import problem, typed
 
 import selector
-from bench.calibration.machine import GMM_PASS_CURVES, pass_curve
+from bench.calibration.machine import GMM_PASS_CURVES, curve_point, pass_curve
 from selector import Dispatch, Exchange, Hardware
 from selector.problem import buffer_rows
 from selector.tiles import exchanged_calls
@@ -46,7 +47,7 @@ def _hw(**kw) -> Hardware:
 
 def test_each_part_is_its_counts_over_its_constants():
     work = Work(
-        dots=(("plain", 2e9, 3), ("tile", 1e9, 2)),
+        dots=(("plain", 2e9, 3, 0.0), ("tile", 1e9, 2, 0.0)),
         memory_bytes=4e9,
         gather_bytes=1e9,
         collectives=5,
@@ -179,6 +180,37 @@ def test_the_matmul_rate_follows_its_curve_log_log_and_flat_past_its_ends():
     assert matmul_rate(5e6, _hw(matmul_tflops=459.0)) == 459e12  # no curve: the peak
 
 
+def test_a_curve_measured_at_several_matrices_is_read_at_the_dots_rows_and_matrix():
+    """Points that name their matrix (K x N elements): each matrix's points read at the
+    dot's rows (its FLOPs scaled to that matrix), then log-log between the matrices;
+    without a matrix, every point along the FLOPs alone."""
+    small, big = 64 * 128, 192 * 384
+    # Rows 32 and 64 at each matrix; the small matrix's rates double with rows, the big
+    # one's are 4x the small's.
+    hw = _hw(
+        gmm_curve=[
+            [2 * 32 * small / 1e6, 0.01, small],
+            [2 * 64 * small / 1e6, 0.02, small],
+            [2 * 32 * big / 1e6, 0.04, big],
+            [2 * 64 * big / 1e6, 0.08, big],
+        ]
+    )
+    assert matmul_rate(2 * 32 * small, hw, "tile", small) == pytest.approx(0.01e12)
+    assert matmul_rate(2 * 64 * big, hw, "tile", big) == pytest.approx(0.08e12)
+    # 32 rows by the big matrix has the FLOPs of 288 rows by the small one: read at its
+    # own rows, not at the small matrix's last point.
+    assert matmul_rate(2 * 32 * big, hw, "tile", big) == pytest.approx(0.04e12)
+    middle = math.sqrt(small * big)  # halfway in log size: the geometric mean
+    assert matmul_rate(2 * 32 * middle, hw, "tile", middle) == pytest.approx(0.02e12)
+    assert matmul_rate(2 * 16 * small / 4, hw, "tile", small / 4) == pytest.approx(0.01e12)
+    assert matmul_rate(2 * 128 * 4 * big, hw, "tile", 4 * big) == pytest.approx(0.08e12)
+    # 128 rows by the small matrix: flat past its own last point. With no matrix named,
+    # read along the FLOPs of every point, it falls between the small matrix's 64 rows
+    # and the big one's 32.
+    assert matmul_rate(2 * 128 * small, hw, "tile", small) == pytest.approx(0.02e12)
+    assert 0.02e12 < matmul_rate(2 * 128 * small, hw, "tile") < 0.04e12
+
+
 def test_each_tiled_gmm_pass_is_priced_on_its_own_curve_else_the_forwards():
     """A tile visit's input-gradient and weight-gradient dots each have a curve (a
     weight gradient's visit runs at about half a forward's on CPU); without one they
@@ -198,7 +230,11 @@ def test_each_tiled_gmm_pass_is_priced_on_its_own_curve_else_the_forwards():
     assert matmul_rate(5e6, plain_only, "tile_input_grad") == pytest.approx(0.01e12)
     # Priced apart: 3 dots a pass of 1 MFLOP at 20, 30 and 4 GFLOP/s.
     work = Work(
-        (("tile", 1e6, 3), ("tile_input_grad", 1e6, 3), ("tile_weight_grad", 1e6, 3)),
+        (
+            ("tile", 1e6, 3, 0.0),
+            ("tile_input_grad", 1e6, 3, 0.0),
+            ("tile_weight_grad", 1e6, 3, 0.0),
+        ),
         *(0.0,) * 7,
     )
     assert price(work, passes).compute == pytest.approx(3e6 / 20e9 + 3e6 / 30e9 + 3e6 / 4e9)
@@ -208,7 +244,7 @@ def test_a_visits_loop_ops_are_priced_only_where_no_gmm_curve_holds_them():
     """The gmm curve times a visit with its loop body's ops, so a machine with one
     prices only the rest of the ops and trips; one without (TPU, GPU) prices them all."""
     work = Work(
-        (("tile", 1e6, 3),), *(0.0,) * 5, 1000, 100, tile_visit_ops=600, tile_visit_trips=40
+        (("tile", 1e6, 3, 0.0),), *(0.0,) * 5, 1000, 100, tile_visit_ops=600, tile_visit_trips=40
     )
     bare = _hw(launch_us=2.0, loop_trip_us=3.0, call_us=0.0)
     measured = _hw(launch_us=2.0, loop_trip_us=3.0, call_us=0.0, gmm_curve=[[1.0, 0.01]])
@@ -225,11 +261,11 @@ def test_gathered_tiled_gmm_dots_counted_by_hand():
     assert (p.T, p.k, p.E, p.M, p.H, p.train) == (256, 2, 8, 64, 128, True)
     work = plan.candidate(Dispatch.megablox, Exchange.gather).estimate.work
     tile = 2 * 64 * 64 * 128
-    assert dict(((k, f), n) for k, f, n in work.dots) == {
-        ("plain", 2 * 256 * 64 * 8): 3,
-        ("tile", tile): 8 * 3,  # gate, up and out
-        ("tile_input_grad", tile): 8 * 3,
-        ("tile_weight_grad", tile): 8 * 3,
+    assert dict(((k, f, m), n) for k, f, n, m in work.dots) == {
+        ("plain", 2 * 256 * 64 * 8, 64 * 8): 3,  # by the (emb, experts) router matrix
+        ("tile", tile, 64 * 128): 8 * 3,  # gate, up and out
+        ("tile_input_grad", tile, 64 * 128): 8 * 3,
+        ("tile_weight_grad", tile, 64 * 128): 8 * 3,
     }
     # tiled_gmm's loop bodies, a visit's: 8 row trips in each of 4 row passes (gate and
     # up, out; their input gradients), 11 + 1 or 8 + 1 ops a trip; the weight
@@ -357,8 +393,8 @@ def test_each_dot_is_priced_by_its_own_kinds_curve():
     """A tile is priced on the gmm curve and a plain dot on the matmul curve, each at
     its own size (the curves differ here by 4x)."""
     hw = _hw(matmul_curve=[[1.0, 0.04]], gmm_curve=[[1.0, 0.01]])
-    tile = price(Work((("tile", 1e6, 1),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
-    plain = price(Work((("plain", 1e6, 1),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
+    tile = price(Work((("tile", 1e6, 1, 0.0),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
+    plain = price(Work((("plain", 1e6, 1, 0.0),), 0.0, 0.0, 0, 0.0, 0.0, 0, 0), hw)
     assert tile.compute == pytest.approx(1e6 / 0.01e12)
     assert plain.compute == pytest.approx(1e6 / 0.04e12)
 
@@ -541,7 +577,7 @@ def test_the_exchange_recomputes_its_forward_in_the_backward():
     est = plan.chosen_estimate
 
     def by_pass(work):
-        return {k: sum(n for kind, _, n in work.dots if kind == k) for k in PASSES}
+        return {k: sum(n for kind, _, n, _ in work.dots if kind == k) for k in PASSES}
 
     exchanged = by_pass(est.work)
     visits = exchanged["tile_input_grad"] / 3
@@ -592,7 +628,7 @@ def test_the_cpu_constants_are_the_machine_studys():
     curves = {name: study[name] for name in ("matmul_curve", "gmm_curve", "einsum_curve")}
     curves |= {name: pass_curve(study["gmm_curve"], grad) for name, grad in GMM_PASS_CURVES.items()}
     for name, curve in curves.items():
-        stored = [x for p in curve for x in (p["mflops"], p["tflops"])]
+        stored = [x for p in curve for x in curve_point(p)]
         held = [x for point in getattr(hw, name) for x in point]
         assert stored and held == pytest.approx(stored, rel=5e-4), name
 
