@@ -130,6 +130,10 @@ def test_tensor_splits_heads_names_the_heads_it_cannot_split():
         ("num_experts=6", "n_routing_groups=4", "topk_routing_group=4"),
         # One expert cannot split into 2 groups.
         ("num_experts=1", "num_experts_per_tok=1", "n_routing_groups=2", "topk_routing_group=1"),
+        # 8 experts split into 4 groups, but 5 of the 4 groups allowed.
+        ("num_experts=8", "n_routing_groups=4", "topk_routing_group=5"),
+        # The one group allowed holds 2 experts, fewer than k=4.
+        ("num_experts=8", "n_routing_groups=4", "topk_routing_group=1", "num_experts_per_tok=4"),
     ],
 )
 def test_routing_groups_that_do_not_split_the_experts_are_an_error(overrides):
@@ -140,9 +144,12 @@ def test_routing_groups_that_do_not_split_the_experts_are_an_error(overrides):
 
 def test_mla_sizes_are_checked_only_for_mla():
     """kv_lora_rank=0 cannot size MLA's latent; under global attention MLA's sizes are
-    not read, and the same value says nothing."""
+    not read, and the same value says nothing. Under MLA the sizes every decoder has are
+    checked as well."""
     setting, _ = found_of("DECODER_SIZE_INVALID", "attention_type=mla", "kv_lora_rank=0")
     assert setting == "kv_lora_rank"
+    setting, _ = found_of("DECODER_SIZE_INVALID", "attention_type=mla", "vocab_size=0")
+    assert setting == "vocab_size"
     _, found = analyse(typed("kv_lora_rank=0"))
     assert "DECODER_SIZE_INVALID" not in {f.code for f in found}
 
@@ -196,3 +203,15 @@ def test_every_chip_number_that_is_not_finite_is_named():
     _, found = analyse(typed("hardware.memory_gib=inf", "hardware.matmul_tflops=nan"))
     named = [f.setting for f in found if f.code == "VALUE_NOT_FINITE"]
     assert named == ["hardware.memory_gib", "hardware.matmul_tflops"]
+
+
+def test_the_recurrence_is_refused_load_balanced_from_two_context_devices():
+    """Qwen3-Next's Gated DeltaNet under the load-balanced order: refused at cp=2 as at
+    cp=4 (two devices already swap a chunk), fixed by the plain order."""
+    over = ("model=qwen3_next_80b_a3b", "mesh=v5p_128", "max_target_length=8192")
+    over += ("ici_context_parallelism=2", "per_device_batch_size=0.5")
+    setting, fixes = found_of(
+        "RECURRENCE_LOAD_BALANCED", *over, "context_parallel_load_balance=true"
+    )
+    assert setting == "context_parallel_load_balance"
+    assert fixes == [{"context_parallel_load_balance": False}]
