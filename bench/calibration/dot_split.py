@@ -14,6 +14,7 @@ candidate: its tile visits' dots priced on the gmm curves, and the rest of its t
 
     python -m bench.calibration.dot_split 5 10      # dev configs 5 and 10 (about 2 minutes each)
     python -m bench.calibration.dot_split           # every dev config
+    python -m bench.calibration.dot_split --score     # the stored timings, counted by today's selector
     python -m bench.calibration.dot_split --replot
 """
 
@@ -23,7 +24,7 @@ import sys
 
 from bench.common import use_cpu_devices
 
-if __name__ == "__main__" and "--replot" not in sys.argv:
+if __name__ == "__main__" and not {"--replot", "--score"} & set(sys.argv):
     use_cpu_devices(8)
 
 from bench.common import arguments, median, pyplot, save, table  # noqa: E402
@@ -82,6 +83,30 @@ def counted(config) -> tuple[float, float]:
     return tiles, est.time_s - tiles
 
 
+def counted_row(row: dict, dots: float, other: float) -> dict:
+    """`row` (its measured columns) with the counted columns of `dots` and `other`
+    seconds."""
+    return {
+        **row,
+        "counted_dots_ms": dots * 1e3,
+        "counted_rest_ms": other * 1e3,
+        "dots_ratio": dots * 1e3 / max(row["dots_ms"], 1e-6),
+        "rest_ratio": other * 1e3 / row["rest_ms"],
+    }
+
+
+def recounted(rows: list[dict]) -> list[dict]:
+    """The stored rows with their counted columns from today's selector (the timings
+    depend on the layers only)."""
+    from bench import picks
+
+    out = []
+    for row in rows:
+        config = picks.variants(picks.config_of(picks.DEV[row["dev"]]))[row["candidate"]]
+        out.append(counted_row(row, *counted(config)))
+    return out
+
+
 def split_point(index: int) -> list[dict]:
     """One dev config's megablox candidates, each timed with and without its dots."""
     from bench import picks
@@ -97,21 +122,15 @@ def split_point(index: int) -> list[dict]:
     rows = []
     for name, config in forced.items():
         whole, rest = median(times[name]), median(times[name + " without dots"])
-        dots, other = counted(config)
-        rows.append(
-            {
-                "dev": index,
-                "config": picks.label(point),
-                "candidate": name,
-                "measured_ms": whole * 1e3,
-                "dots_ms": (whole - rest) * 1e3,
-                "rest_ms": rest * 1e3,
-                "counted_dots_ms": dots * 1e3,
-                "counted_rest_ms": other * 1e3,
-                "dots_ratio": dots / max(whole - rest, 1e-9),
-                "rest_ratio": other / rest,
-            }
-        )
+        measured = {
+            "dev": index,
+            "config": picks.label(point),
+            "candidate": name,
+            "measured_ms": whole * 1e3,
+            "dots_ms": (whole - rest) * 1e3,
+            "rest_ms": rest * 1e3,
+        }
+        rows.append(counted_row(measured, *counted(config)))
         print(rows[-1], flush=True)
     return rows
 
@@ -161,15 +180,21 @@ def main() -> int:
         __doc__,
         plot,
         configs={"type": int, "nargs": "*", "metavar": "N", "help": "dev configs (default: all)"},
+        score={"action": "store_true", "help": "count the stored timings again, timing nothing"},
     )
     if args is None:
         return 0
     from bench import picks
-    from bench.common import machine
+    from bench.common import load, machine
 
-    indices = args.configs or range(len(picks.DEV))
-    rows = [row for i in indices for row in split_point(i)]
-    payload = {"rounds": ROUNDS, "settle": 1, "machine": machine(), "rows": rows}
+    if args.score:
+        payload = load(STUDY)
+        payload["rows"] = recounted(payload["rows"])
+    else:
+        indices = args.configs or range(len(picks.DEV))
+        rows = [row for i in indices for row in split_point(i)]
+        payload = {"rounds": ROUNDS, "settle": 1, "machine": machine(), "rows": rows}
+    rows = payload["rows"]
     print(table(rows, COLUMNS))
     print("wrote", *save(STUDY, payload, plot(payload)))
     return 0

@@ -71,3 +71,19 @@ def test_the_counted_parts_add_up_to_the_estimate():
     dots, rest = counted(config)
     assert dots > 0 and rest > 0
     assert dots + rest == pytest.approx(selector.resolve(config).chosen_estimate.time_s)
+
+
+def test_the_stored_split_is_counted_by_todays_selector():
+    """The stored counted columns are today's count of the stored timings
+    (`python -m bench.calibration.dot_split --score` counts them again): a change of
+    the count that leaves the study stale fails here."""
+    import json
+
+    from subproc import ROOT
+
+    from bench.calibration.dot_split import STUDY, recounted
+
+    rows = json.loads((ROOT / f"bench/results/{STUDY}.json").read_text())["rows"]
+    for stored, now in zip(rows, recounted(rows), strict=True):
+        for key in ("counted_dots_ms", "counted_rest_ms", "dots_ratio", "rest_ratio"):
+            assert now[key] == pytest.approx(stored[key], rel=1e-9), (stored["config"], key)
