@@ -18,8 +18,8 @@ single op, so the cost of calling a program drops out:
   matrix's K x N (the count reads each dot's rate at its rows and matrix, log-log
   between points: `selector.timing.matmul_rate`);
 - gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
-  8 experts of one tile each, tiles of 32 to 512 rows (32: an array under 64 rows, each
-  expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
+  8 experts of one tile each, tiles of 16 to 512 rows (16 and 32: an array under 32 or
+  64 rows, each expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
   credited with the FLOPs of the tiles its plan visits
   (`selector.tiles.tiled_gmm_visits`); 4, 2 or 1 experts where 8 would make a call
   too big for the cache (`gmm_experts`), so every point is a call that fits;
@@ -238,9 +238,9 @@ def matmul_curve(rows_list=MATMUL_ROWS, kn_list=MATMUL_KN, dtype="float32") -> l
     return sorted(out, key=lambda r: r["mflops"])
 
 
-# Tiles tiled_gmm visits: its classes (selector.tiles.TILED_GMM_TILE_ROWS), and 32 rows,
-# the tile of an array under 64 rows (an exchange's small slot buffers).
-GMM_TILES = (32, 64, 128, 256, 512)
+# Tiles tiled_gmm visits: its classes (selector.tiles.TILED_GMM_TILE_ROWS), and 32 and 16
+# rows, the tiles of arrays under 64 and under 32 rows (an exchange's small slot buffers).
+GMM_TILES = (16, 32, 64, 128, 256, 512)
 GMM_KN = ((64, 128), (192, 384), (640, 1280))
 GMM_EXPERTS = 8
 

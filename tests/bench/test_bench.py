@@ -254,14 +254,14 @@ def test_the_targets_page_quotes_todays_count_of_its_compiles():
 
 def test_the_gmm_curve_credits_the_tiles_tiled_gmm_visits():
     """Each point of the CPU gmm curve times the tile it names: eight experts visit
-    eight tiles of that size, 32 rows (an array under 64 rows) included. Eight experts
+    eight tiles of that size, 16 and 32 rows (arrays under 32 and 64 rows) included. Eight experts
     of 32 rows on a 256-row array run 64-row tail tiles, so a 32-row point laid out that
     way, credited with 32 rows, halves the rate of the visits it timed."""
     from bench.calibration.machine import GMM_EXPERTS, GMM_TILES, gmm_visits
     from selector.tiles import tiled_gmm_visits
 
     assert tiled_gmm_visits([32] * 8, 256).tiles == ((64, 8),)
-    assert 32 in GMM_TILES
+    assert {16, 32} <= set(GMM_TILES)
     for tile in GMM_TILES:
         for experts in (GMM_EXPERTS, 4, 2, 1):
             assert gmm_visits(tile, experts) == (tile, experts)
@@ -289,7 +289,7 @@ def test_the_gmm_curve_times_calls_that_fit_in_the_cache():
             point.get("call_mb", call / 1e6)
         )
         fewer += experts < GMM_EXPERTS
-    assert fewer == 5  # the 640 x 1280 points
+    assert fewer == 6  # the 640 x 1280 points, tiles of 16 to 512 rows
     # 8 experts of 512 x 640 x 1280 (29 MB of rows and 26 MB of matrices) do not fit in
     # 16 MiB; two (14 MB) do. 8 of 512 x 192 x 384 (12 MB) do.
     assert gmm_experts(512, 640, 1280, 16.0) == 2 and gmm_experts(512, 192, 384, 16.0) == 8
