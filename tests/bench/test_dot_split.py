@@ -87,3 +87,56 @@ def test_the_stored_split_is_counted_by_todays_selector():
     for stored, now in zip(rows, recounted(rows), strict=True):
         for key in ("counted_dots_ms", "counted_rest_ms", "dots_ratio", "rest_ratio"):
             assert now[key] == pytest.approx(stored[key], rel=1e-9), (stored["config"], key)
+
+
+def test_the_numbers_the_picks_page_draws_from_the_split_are_the_studys():
+    """The prose under the split's table: the count over the measured step by kind
+    (median, range), the dots' and the rest's medians, the megablox picks on this run's
+    timings, and how many candidates' dots are counted within 25%, each recomputed from
+    the stored study."""
+    import json
+    import statistics
+
+    from subproc import ROOT
+
+    from bench.calibration.dot_split import STUDY
+
+    rows = json.loads((ROOT / f"bench/results/{STUDY}.json").read_text())["rows"]
+    page = " ".join((ROOT / "docs/results/picks.md").read_text().split())
+
+    def kind(name):
+        return [r for r in rows if name in r["candidate"]]
+
+    whole = {}
+    for name in ("gather", "all_to_all"):
+        ratios = [
+            (r["counted_dots_ms"] + r["counted_rest_ms"]) / r["measured_ms"] for r in kind(name)
+        ]
+        whole[name] = f"{statistics.median(ratios):.2f} ({min(ratios):.2f} to {max(ratios):.2f})"
+    assert (
+        f"the count is {whole['gather']} of the gathered programs' time and "
+        f"{whole['all_to_all']} of the exchanged ones'"
+    ) in page
+    dots = {
+        n: statistics.median(r["dots_ratio"] for r in kind(n)) for n in ("gather", "all_to_all")
+    }
+    rest = {
+        n: statistics.median(r["rest_ratio"] for r in kind(n)) for n in ("gather", "all_to_all")
+    }
+    assert (
+        f"Dots: counted {dots['gather']:.2f} (gathered) and {dots['all_to_all']:.2f} (exchanged)"
+    ) in page
+    assert f"the rest {rest['gather']:.2f} and {rest['all_to_all']:.2f}" in page
+    by_config: dict[int, list[dict]] = {}
+    for r in rows:
+        by_config.setdefault(r["dev"], []).append(r)
+    choices = [c for c in by_config.values() if len(c) > 1]
+    right = sum(
+        min(c, key=lambda r: r["counted_dots_ms"] + r["counted_rest_ms"])
+        is min(c, key=lambda r: r["measured_ms"])
+        for c in choices
+    )
+    assert f"picks the fastest megablox candidate in {right} of {len(choices)} configs" in page
+    near = sum(0.8 <= r["dots_ratio"] <= 1.25 for r in rows)
+    assert f"within 25% of what they take for {near} (" in page
+    assert f"({len(rows)} candidates of the 20 dev configs)" in page
