@@ -19,7 +19,7 @@ single op, so the cost of calling a program drops out:
   between points: `selector.timing.matmul_rate`);
 - gmm_curve: tiled_gmm's own tile visits (forward, input gradient and weight gradient,
   8 experts of one tile each, tiles of 16 to 512 rows (16 and 32: an array under 32 or
-  64 rows, each expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280), per visit,
+  64 rows, each expert's rows a masked tail tile), K x N 64 x 128 to 640 x 1,280: GMM_KN), per visit,
   credited with the FLOPs of the tiles its plan visits
   (`selector.tiles.tiled_gmm_visits`); 4, 2 or 1 experts where 8 would make a call
   too big for the cache (`gmm_experts`), so every point is a call that fits;
@@ -241,7 +241,10 @@ def matmul_curve(rows_list=MATMUL_ROWS, kn_list=MATMUL_KN, dtype="float32") -> l
 # Tiles tiled_gmm visits: its classes (selector.tiles.TILED_GMM_TILE_ROWS), and 32 and 16
 # rows, the tiles of arrays under 64 and under 32 rows (an exchange's small slot buffers).
 GMM_TILES = (16, 32, 64, 128, 256, 512)
-GMM_KN = ((64, 128), (192, 384), (640, 1280))
+# K x N of the tiles' matrices: three widths in the ratio of an expert's (M, H), and two
+# between the first two (one square, as a hidden dim split over tensor leaves it), where a
+# reading between 64 x 128 and 192 x 384 alone priced the dots up to 1.9 times their time.
+GMM_KN = ((64, 128), (128, 256), (192, 192), (192, 384), (640, 1280))
 GMM_EXPERTS = 8
 
 
