@@ -57,8 +57,8 @@ class Layout:
       >>> found = selector.search(selector.compose(["model=tiny", "mesh=cpu_8",
       ...     "search_global_batch=8"]))
       >>> first = found.layouts[0]
-      >>> first.overrides[:3], first.verdict.value
-      (['ici_data_parallelism=8', 'ici_fsdp_parallelism=1', 'ici_context_parallelism=1'], 'yes')
+      >>> first.overrides[3], first.verdict.value
+      ('ici_expert_parallelism=8', 'yes')
     """
 
     settings: dict
