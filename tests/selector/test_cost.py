@@ -190,6 +190,39 @@ def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too(
     assert fixed.chosen_estimate.time_s * 50 < plan.chosen_estimate.time_s
 
 
+def test_decode_with_no_exchange_allowed_is_told_to_move_the_fsdp_devices_to_expert():
+    """DeepSeek-V3 decode with expert_group=expert and no expert axis: no exchange can
+    run, so the weights are gathered. The warning's fix moves the fsdp devices to the
+    expert axis, tier by tier and only where fsdp splits: on one v5p-128 slice the ici
+    tier alone; over 2 hosts of 8 H200 both tiers."""
+    plan = selector.resolve(typed(*DEEPSEEK_DECODE, "expert_group=expert"))
+    (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
+    (fix,) = f.fixes
+    assert dict(fix.overrides) == {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": 64}
+    hosts = (
+        "model=deepseek_v3",
+        "mesh=h200_8",
+        "mode=decode",
+        "per_device_batch_size=2",
+        "max_target_length=8192",
+        "param_dtype=bfloat16",
+        "num_devices=16",
+        "num_slices=2",
+        "dcn_fsdp_parallelism=2",
+        "dcn_data_parallelism=1",
+        "expert_group=expert",
+    )
+    plan = selector.resolve(typed(*hosts))
+    (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
+    (fix,) = f.fixes
+    assert dict(fix.overrides) == {
+        "ici_fsdp_parallelism": 1,
+        "ici_expert_parallelism": 8,
+        "dcn_fsdp_parallelism": 1,
+        "dcn_expert_parallelism": 2,
+    }
+
+
 BIG_PRESETS = {  # docs/design.md's "What it picks for the big presets"
     "qwen3_next_80b_a3b": ("mode=train",),
     "deepseek_v3": ("mode=prefill",),
