@@ -100,11 +100,10 @@ def recounted(rows: list[dict]) -> list[dict]:
     depend on the layers only)."""
     from bench import picks
 
-    out = []
-    for row in rows:
-        config = picks.variants(picks.config_of(picks.DEV[row["dev"]]))[row["candidate"]]
-        out.append(counted_row(row, *counted(config)))
-    return out
+    variants = {  # each dev config's candidates, made once however many rows it has
+        i: picks.variants(picks.config_of(picks.DEV[i])) for i in {row["dev"] for row in rows}
+    }
+    return [counted_row(row, *counted(variants[row["dev"]][row["candidate"]])) for row in rows]
 
 
 def split_point(index: int) -> list[dict]:

@@ -160,6 +160,21 @@ def test_fixes_come_lightest_first_with_what_a_device_then_holds():
     assert held == sorted(held) and held[1] * 2.5 < held[2]
 
 
+# DeepSeek-V3 decode on 2 hosts x 8 H200, fsdp over both tiers.
+DEEPSEEK_DECODE_TWO_HOSTS = (
+    "model=deepseek_v3",
+    "mesh=h200_8",
+    "mode=decode",
+    "per_device_batch_size=2",
+    "max_target_length=8192",
+    "param_dtype=bfloat16",
+    "num_devices=16",
+    "num_slices=2",
+    "dcn_fsdp_parallelism=2",
+    "dcn_data_parallelism=1",
+)
+
+
 def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too():
     """DeepSeek-V3 decode on 2 hosts x 8 H200 with fsdp over both tiers, the experts
     gathered (expert_exchange=gather): the gather crosses hosts every step. The
@@ -167,19 +182,7 @@ def test_decode_gathering_over_hosts_is_told_to_split_the_experts_over_them_too(
     fsdp devices, and the exchange it gives is over 50x cheaper (67x today: the gather's
     bytes over hosts against the exchange's 1,159 ops and 49 loop trips, priced at the
     H200's measured launch and loop trip)."""
-    common = (
-        "model=deepseek_v3",
-        "mesh=h200_8",
-        "mode=decode",
-        "per_device_batch_size=2",
-        "max_target_length=8192",
-        "param_dtype=bfloat16",
-        "num_devices=16",
-        "num_slices=2",
-        "dcn_fsdp_parallelism=2",
-        "dcn_data_parallelism=1",
-        "expert_exchange=gather",
-    )
+    common = (*DEEPSEEK_DECODE_TWO_HOSTS, "expert_exchange=gather")
     plan = selector.resolve(typed(*common))
     (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
     (fix,) = f.fixes
@@ -199,19 +202,7 @@ def test_decode_with_no_exchange_allowed_is_told_to_move_the_fsdp_devices_to_exp
     (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
     (fix,) = f.fixes
     assert dict(fix.overrides) == {"ici_fsdp_parallelism": 1, "ici_expert_parallelism": 64}
-    hosts = (
-        "model=deepseek_v3",
-        "mesh=h200_8",
-        "mode=decode",
-        "per_device_batch_size=2",
-        "max_target_length=8192",
-        "param_dtype=bfloat16",
-        "num_devices=16",
-        "num_slices=2",
-        "dcn_fsdp_parallelism=2",
-        "dcn_data_parallelism=1",
-        "expert_group=expert",
-    )
+    hosts = (*DEEPSEEK_DECODE_TWO_HOSTS, "expert_group=expert")
     plan = selector.resolve(typed(*hosts))
     (f,) = [f for f in plan.findings if f.code == "DECODE_GATHERS_WEIGHTS"]
     (fix,) = f.fixes
