@@ -53,7 +53,7 @@ from .problem import (
     placed,
     rows,
 )
-from .step_memory import StepMemory, StepOutside, step_memory
+from .step_memory import StepMemory, StepOutside, gathers_by_all_reduce, step_memory
 from .tiling import TileOption
 from .timing import TimeParts, Work, count_work, price
 from .traits import traits
@@ -341,7 +341,10 @@ def estimate(
     state = state_bytes(p, rest)
     layers = p.moe_layers
     relaid = routed_rest_bytes(p) if relaid_for_gather(p, place) else 0.0
-    step = step_memory(outside, state, rest * layers, relaid * layers)
+    all_reduced = 0.0
+    if gathers_by_all_reduce(traits(hw.platform, p.release), p.mesh, p.gathered):
+        all_reduced = routed_rest_bytes(p) / 3 / p.pb * p.xb * p.gathered  # one matrix
+    step = step_memory(outside, state, rest * layers, relaid * layers, all_reduced)
     est = Estimate(
         strategy=strategy,
         exchange=place.exchange,

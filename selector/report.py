@@ -344,7 +344,8 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
     lines += [f"  {name.replace('_', ' '):<22} {value / 2**30:>9.3g}" for name, value in shown]
     lines += [
         f"  {'peak':<22} {parts['total'] / 2**30:>9.3g}  (what rests + what is saved + the",
-        f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block)",
+        f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block"
+        + (" + the all-reduce copy)" if parts.get("all_reduce_copy") else ")"),
     ]
     est, hw = plan.chosen_estimate, cfg.hardware
     low, high = est.device_range(hw)

@@ -21,7 +21,10 @@ training (or serving) step of the whole decoder holds, from shapes and dtypes al
   rematerialises the layer: its attention (the weights gathered in the compute dtype and
   their float32 gradient before the reduce-scatter, queries, keys and values gathered
   over the sequence shards, the output and the cotangents of each) plus its feed-forward
-  (the MoE block's program from `cost`, or a dense SwiGLU's).
+  (the MoE block's program from `cost`, or a dense SwiGLU's);
+- on a compiler that gathers a tensor whole over every device of a large slice by an
+  all-reduce (`Traits.all_reduce_gather_devices`), one more buffer the size of the
+  largest tensor so gathered, which the program holds beside its named buffers.
 
 Attention is counted as a flash kernel computes it (no sequence x sequence scores), as
 MaxText runs it on TPU and GPU. Qwen3-Next's Gated DeltaNet layers are counted from the
@@ -39,6 +42,7 @@ from .config import DTYPE_BYTES, Config, ContextStrategy, Dispatch, Exchange, Mo
 from .mesh import MeshView
 from .per_device import PerDevice
 from .plan_sizes import shared_width
+from .traits import Traits, jax_release, traits
 
 # MaxText 0.2.5's remat policies (layers/nnx_decoders.py, get_remat_policy): the
 # checkpoint names each saves on the device. Offloading policies keep nothing there.
@@ -83,6 +87,7 @@ STEP_PARTS = (
     "attention_peak",
     "moe_block",
     "dense_ffn_peak",
+    "all_reduce_copy",
 )
 
 
@@ -106,6 +111,8 @@ class StepMemory:
     logits: float  # the loss's logits (and gradient when training), one vocab tile
     attention_peak: float  # one layer's attention at its backward (forward when serving)
     dense_ffn_peak: float  # one dense feed-forward layer's working set (0 without one)
+    # The buffer an all-reduce that gathers a tensor whole leaves (0 where none does).
+    all_reduce_copy: float = 0.0
 
     @property
     def at_rest(self) -> float:
@@ -115,7 +122,8 @@ class StepMemory:
         """The step's peak, given the MoE block's transient bytes (its program less
         the weights and gradients that rest)."""
         layer = self.attention_peak + max(moe_block, self.dense_ffn_peak)
-        return self.at_rest + self.saved_activations + max(self.logits, layer)
+        peak = max(self.logits, layer)
+        return self.at_rest + self.saved_activations + peak + self.all_reduce_copy
 
     def breakdown(self, moe_block: float) -> dict:
         d = asdict(self)
@@ -128,6 +136,26 @@ def non_expert_shards(mesh: MeshView) -> int:
     """Devices a non-expert weight is split over: every axis but the data axes."""
     axes = set(mesh.embed_axes) | set(mesh.hidden_axes) | set(mesh.expert_axes)
     return mesh.product(sorted(axes))
+
+
+def gathers_by_all_reduce(compiler: Traits, mesh: MeshView, devices: int) -> bool:
+    """Whether `compiler` gathers a tensor split over `devices` of `mesh` by an
+    all-reduce (`Traits.all_reduce_gather_devices`): on one slice, over every device of
+    it, and at least that many."""
+    least = compiler.all_reduce_gather_devices
+    one_slice = mesh.dcn_product([a for a, _ in mesh.sizes]) == 1
+    return bool(least) and one_slice and devices == mesh.num_devices >= least
+
+
+def largest_other_matrix(cfg: Config, params: ModelParams) -> int:
+    """Elements of the largest weight outside the MoE blocks: the embedding, the head, or
+    one matrix of a dense layer's SwiGLU (an attention projection is smaller than the
+    embedding in every preset: 25 M elements at most, against 131 M and more)."""
+    return max(
+        params.embedding,
+        params.head,
+        cfg.base_emb_dim * cfg.base_mlp_dim * bool(params.dense_layers),
+    )
 
 
 def named_activations(cfg: Config, layer: LayerParams) -> dict[str, float]:
@@ -329,6 +357,9 @@ class StepOutside:
     logits: float
     attention_peak: float
     dense_ffn_peak: float
+    # The largest weight outside the MoE blocks in the compute dtype, where the compiler
+    # gathers it whole by an all-reduce (`gathers_by_all_reduce`; else 0).
+    all_reduce_other: float = 0.0
 
     @property
     def recast(self) -> bool:
@@ -349,6 +380,7 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
     hidden = mesh.product(mesh.hidden_axes)
     logit_tokens = tokens / max(cfg.num_vocab_tiling, 1)
     logit_bytes = 4 if cfg.logits_dot_in_fp32 else xb
+    compiler = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
     kv_cache = 0.0
     if not train:  # the cache of every sequence this device serves, split over cp
         cached = dev.local_batch * cfg.max_target_length / max(mesh.cp, 1)
@@ -365,7 +397,18 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
         logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
         attention_peak=attention_peak(cfg, mesh, tokens, train, params),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train, params),
+        all_reduce_other=(
+            largest_other_matrix(cfg, params) * xb
+            if gathers_by_all_reduce(compiler, mesh, other_gathered(mesh))
+            else 0.0
+        ),
     )
+
+
+def other_gathered(mesh: MeshView) -> int:
+    """Devices a weight outside the MoE blocks is gathered from: its embed dim's split
+    (the embed and expert axes; the hidden axes' split stays)."""
+    return mesh.product(sorted(set(mesh.embed_axes) | set(mesh.expert_axes)))
 
 
 def step_memory(
@@ -373,13 +416,16 @@ def step_memory(
     moe_state: float,
     moe_weights: float,
     moe_relaid: float = 0.0,
+    moe_all_reduced: float = 0.0,
 ) -> StepMemory:
     """The step's memory outside the MoE block's program: `outside` (`step_outside`,
     once per config) with one candidate's MoE layers. `moe_state`: every MoE layer's
     weights, gradients and optimizer state at rest (`cost.state_bytes`); `moe_weights`:
     of those, the weights alone; `moe_relaid`: of those, the routed experts' matrices
     the compiler holds once more in their stored dtype, laid out for their all-gather
-    (`cost.relaid_for_gather`), instead of a compute-dtype cast of them (0 when none)."""
+    (`cost.relaid_for_gather`), instead of a compute-dtype cast of them (0 when none);
+    `moe_all_reduced`: one routed expert matrix as gathered, where the compiler gathers
+    it by an all-reduce (`gathers_by_all_reduce`; else 0)."""
     o = outside
     xb, pb = o.compute_bytes, o.param_bytes
     moe_copy = moe_relaid + ((moe_weights - moe_relaid) / pb * xb if o.recast else 0.0)
@@ -399,4 +445,5 @@ def step_memory(
         logits=o.logits,
         attention_peak=o.attention_peak,
         dense_ffn_peak=o.dense_ffn_peak,
+        all_reduce_copy=max(o.all_reduce_other, moe_all_reduced),
     )

@@ -121,6 +121,16 @@ class Traits:
         between 14 and 16 MiB. A shared expert without a gate closes the window (one
         point: in the window's range, it compiled to the outside factor). (0, 0, 0): no
         window.
+      all_reduce_gather_devices: the fewest devices of one slice from which a tensor
+        gathered whole over every device of the slice is gathered by an all-reduce,
+        which leaves one more buffer the size of the program's largest such tensor that
+        no buffer of the dump names (0: never). Measured on small programs in no judge
+        set (`bench.calibration.libtpu_temp`, v5p, libtpu 0.0.42.1 and 0.0.50.1): a
+        bfloat16 tensor of 224 MiB to 7 GiB gathered over every chip of 64, 128 or 256
+        (one mesh axis or two that cover them) is all-reduced and leaves that buffer;
+        over 8 to 32 chips, or over fewer than every chip of a slice, it is
+        all-gathered and leaves none. One slice only; other TPU generations not
+        measured.
       host_devices: the devices of one host that share its fast links (NVLink: 8 GPUs of
         an H100 or H200 host), where a slice is a host; 0 where a slice's own links
         join every device of it (a TPU slice's ICI torus; the simulated CPU devices).
@@ -151,6 +161,7 @@ class Traits:
     exchange_heap: tuple[float, float] = (1.0, 1.0)
     exchange_serving_heap: tuple[float, float] = (1.0, 1.0)
     exchange_serving_window: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    all_reduce_gather_devices: int = 0
     host_devices: int = 0
     compiler_factor: float = 1.0
 
@@ -179,6 +190,7 @@ _XLA_TPU = Traits(
     gather_relayouts=("out",),
     exchange_row_buffers=(2, 3),
     exchange_heap=(0.85, 1.40),
+    all_reduce_gather_devices=64,
 )
 
 # (platform, first jax release the row holds for): the row. A platform's rows are read
