@@ -136,7 +136,7 @@ def test_a_gather_asked_for_is_offered_the_exchange_over_experts_and_sequence():
     gather asked for, and the step in the margin), and with it the step leaves the margin."""
     over = ["model=qwen3_next_80b_a3b", "num_devices=16", "hardware=v5p"]
     over += ["ici_fsdp_parallelism=2", "ici_context_parallelism=4", "ici_expert_parallelism=2"]
-    over += ["per_device_batch_size=0.25", "max_target_length=8192", "param_dtype=bfloat16"]
+    over += ["per_device_batch_size=0.25", "max_target_length=16384", "param_dtype=bfloat16"]
     _, found = analyse(selector.to_config(selector.compose([*over, "expert_exchange=gather"])))
     (memory,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
     exchanged = "expert_exchange=all_to_all expert_group=expert_and_sequence"
@@ -240,10 +240,11 @@ def test_memory_exceeded_offers_as_many_slices_as_the_state_needs():
 
 
 def test_a_fix_that_changes_nothing_is_neither_offered_nor_named():
-    """DeepSeek-V3 on 64 v5p already in bfloat16 is within the margin; the memory rule
-    proposes param_dtype=bfloat16 among its fixes, which here is the config as it is:
-    it is not run, and the finding's list of what was checked does not name it."""
-    over = ["model=deepseek_v3", "hardware=v5p", "mesh=v5p_128"]
+    """DeepSeek-V3 on 64 v5p already in bfloat16, 2 sequences a device, is within the
+    margin; the memory rule proposes param_dtype=bfloat16 among its fixes, which here
+    is the config as it is: it is not run, and the finding's list of what was checked
+    does not name it."""
+    over = ["model=deepseek_v3", "hardware=v5p", "mesh=v5p_128", "per_device_batch_size=2"]
     over += ["param_dtype=bfloat16", "dtype=bfloat16"]
     _, found = analyse(selector.to_config(selector.compose(over)))
     (margin,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
