@@ -68,7 +68,7 @@ def block_peak(dump: Path, temp: int, count: float) -> tuple[dict, str]:
 def _one(dump: Path, suffix: str) -> Path:
     found = [
         p
-        for module in ("train_step", "jit_step")
+        for module in ("train_step", "jit_train_step", "jit_step")
         for p in sorted(dump.glob(f"*.{module}.*after_optimizations-{suffix}.txt"))
     ]
     if len(found) != 1:
