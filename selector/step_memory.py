@@ -148,14 +148,12 @@ def gathers_by_all_reduce(compiler: Traits, mesh: MeshView, devices: int) -> boo
 
 
 def largest_other_matrix(cfg: Config, params: ModelParams) -> int:
-    """Elements of the largest weight outside the MoE blocks: the embedding, the head, or
-    one matrix of a dense layer's SwiGLU (an attention projection is smaller than the
-    embedding in every preset: 25 M elements at most, against 131 M and more)."""
-    return max(
-        params.embedding,
-        params.head,
-        cfg.base_emb_dim * cfg.base_mlp_dim * bool(params.dense_layers),
-    )
+    """Elements of the largest weight outside the MoE blocks: the embedding (the head, when
+    apart, is its size) or one matrix of a dense layer's SwiGLU (an attention projection
+    is smaller than the embedding in every preset: 25 M elements at most, against 131 M
+    and more)."""
+    dense = cfg.base_emb_dim * cfg.base_mlp_dim if params.dense_layers else 0
+    return max(params.embedding, dense)
 
 
 def named_activations(cfg: Config, layer: LayerParams) -> dict[str, float]:

@@ -20,6 +20,7 @@ Mixtral step at two layer counts:
 - `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
   MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
   AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
+  `scan:L:MODE:E` with E experts a layer (8 unless given);
 - `step:MODEL:CP[:L]`: `checks.step`'s whole step of a preset (bench.calibration.step_compile's point
   MODEL:CP on 64 v5p), at L layers when given.
 
@@ -130,9 +131,10 @@ def _toy(point: str):
         )
         return jax.jit(lambda w0, w1, wo, x: swiglu(x, (w0, w1, wo))), (w, w, wo, x)
     layers, mode = int(rest[0]), rest[1]
+    experts = int(rest[2]) if len(rest) > 2 else EXPERTS
     in_spec, out_spec = spec(None, None, "fsdp", None), spec(None, None, None, "fsdp")
-    w_in = jax.ShapeDtypeStruct((layers, EXPERTS, EMB, HIDDEN), jnp.float32, sharding=in_spec)
-    w_out = jax.ShapeDtypeStruct((layers, EXPERTS, HIDDEN, EMB), jnp.float32, sharding=out_spec)
+    w_in = jax.ShapeDtypeStruct((layers, experts, EMB, HIDDEN), jnp.float32, sharding=in_spec)
+    w_out = jax.ShapeDtypeStruct((layers, experts, HIDDEN, EMB), jnp.float32, sharding=out_spec)
     ws = (w_in, w_in, w_out)
     w_shardings = tuple(a.sharding for a in ws)
     layer = jax.checkpoint(lambda h, w: (h + swiglu(h, w), None))
@@ -207,7 +209,11 @@ def worker(point: str, dump: Path) -> dict:
         stats = fn.lower(*args).compile().memory_analysis()
         temp, outputs = stats.temp_size_in_bytes, stats.output_size_in_bytes
         alias = stats.alias_size_in_bytes
-        layer_params = 3 * EXPERTS * EMB * HIDDEN * 4 / CHIPS if point.startswith("scan") else 0
+        layer_params = 0
+        if point.startswith("scan"):  # a layer's float32 weights a device
+            parts = point.split(":")
+            experts = int(parts[3]) if len(parts) > 3 else EXPERTS
+            layer_params = 3 * experts * EMB * HIDDEN * 4 / CHIPS
         module = ""
     files = [p for p in dump.glob("*after_optimizations-buffer-assignment.txt") if module in p.name]
     files = [p for p in files if "convert_element_type" not in p.name]

@@ -949,3 +949,23 @@ def test_a_tensor_gathered_whole_over_a_large_slice_is_held_once_more(over, exch
     rest = sum(parts[k] for k in ("weights", "weights_cast", "gradients", "optimizer"))
     rest += parts["kv_cache"] + parts["saved_activations"] + max(parts["logits"], layer)
     assert parts["total"] == pytest.approx(rest + copy)
+
+
+@pytest.mark.parametrize(("mlp", "dense_layers"), [(2048, 1), (2048, 0), (64, 1)])
+def test_the_largest_weight_gathered_outside_the_moe_blocks_is_the_embedding_or_a_dense_matrix(
+    mlp, dense_layers
+):
+    """On 64 v5p, fsdp over every chip: the buffer the all-reduce leaves outside the MoE
+    blocks is the larger of the embedding (vocab x emb) and one matrix of a dense layer's
+    SwiGLU (emb x mlp), where the decoder has one, in the compute dtype (tiny's: float32)."""
+    from selector.step_memory import step_outside
+
+    over = ["model=tiny", "hardware=v5p", "num_devices=64", "ici_fsdp_parallelism=64"]
+    over += ["vocab_size=512", f"base_mlp_dim={mlp}", f"first_num_dense_layers={dense_layers}"]
+    over += ["per_device_batch_size=1", "max_target_length=256"]
+    cfg = selector.to_config(selector.compose(over))
+    plan, found = analyse(cfg)
+    assert plan is not None, [f.code for f in found]
+    outside = step_outside(cfg, plan.mesh, plan.per_device)
+    dense = 64 * mlp if dense_layers else 0
+    assert outside.all_reduce_other == max(512 * 64, dense) * outside.compute_bytes
