@@ -20,7 +20,8 @@ Mixtral step at two layer counts:
 - `scan:L:MODE`: L such layers scanned, each rematerialised, fwd+bwd over 1,024 tokens;
   MODE `grad` returns the gradients, `sgd` and `adamw` update the float32 weights (and
   AdamW's moments) with the arguments donated, `adamw_kept` the same without donation;
-  `scan:L:MODE:E` with E experts a layer (8 unless given);
+  `scan:L:MODE:E[:N]` with E experts a layer (8 unless given), on N chips (64 unless
+  given);
 - `step:MODEL:CP[:L]`: `checks.step`'s whole step of a preset (bench.calibration.step_compile's point
   MODEL:CP on 64 v5p), at L layers when given.
 
@@ -82,6 +83,8 @@ def _toy(point: str):
     kind, *rest = point.split(":")
     meshed = kind in ("split", "shmap", "both")
     chips = int(rest[1]) if meshed and len(rest) > 1 else CHIPS
+    if kind == "scan" and len(rest) > 3:  # scan:L:MODE:E:N, on N chips
+        chips = int(rest[3])
     group = int(rest[2]) if meshed and len(rest) > 2 else chips
     chip_list = np.array(devices(Target.from_hardware("v5p", chips, 1)))
     mesh = Mesh(chip_list.reshape(chips // group, group), ("data", "fsdp"))
@@ -213,7 +216,8 @@ def worker(point: str, dump: Path) -> dict:
         if point.startswith("scan"):  # a layer's float32 weights a device
             parts = point.split(":")
             experts = int(parts[3]) if len(parts) > 3 else EXPERTS
-            layer_params = 3 * experts * EMB * HIDDEN * 4 / CHIPS
+            chips = int(parts[4]) if len(parts) > 4 else CHIPS
+            layer_params = 3 * experts * EMB * HIDDEN * 4 / chips
         module = ""
     files = [p for p in dump.glob("*after_optimizations-buffer-assignment.txt") if module in p.name]
     files = [p for p in files if "convert_element_type" not in p.name]
