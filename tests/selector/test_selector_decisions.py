@@ -458,3 +458,39 @@ def test_one_analysis_passes_the_config_through_fewer_than_20_stops(overrides):
     # Each candidate's count takes the problem, not the config.
     assert "cost.py" not in modules and "memory_model.py" not in modules, stops
     assert modules.count("problem.py") == 1 and modules.count("architecture.py") == 1, stops
+
+
+@pytest.mark.parametrize(
+    ("over", "target"),
+    [
+        (("mesh=v5p_128",), "v5p, 64 chips (4x4x4)"),
+        (
+            ("mesh=v5p_128", "num_slices=2", "dcn_fsdp_parallelism=2"),
+            "v5p, 32 chips (2x4x4), 2 slices",
+        ),
+        (
+            ("mesh=h200_8", "num_devices=16", "num_slices=2", "dcn_fsdp_parallelism=2"),
+            "h200, 2 hosts x 8 GPUs",
+        ),
+    ],
+)
+def test_the_plan_names_the_target_it_compiles_for(over, target):
+    """The plan says which chips, slices and slice shape its config compiles for."""
+    plan, found = selector.api.analyse_any(
+        selector.to_config(selector.compose(["model=qwen3_30b_a3b", *over]))
+    )
+    assert plan is not None, [f.code for f in found]
+    assert plan.target == target
+
+
+def test_a_candidate_lists_the_groups_it_weighed_only_where_there_was_a_choice():
+    """Qwen3-30B-A3B on 64 v5p (fsdp 16 x context 4): the exchange weighs more than one
+    expert group and lists each; a candidate with one possible placement lists none."""
+    plan, _ = selector.api.analyse_any(
+        selector.to_config(
+            selector.compose(["model=qwen3_30b_a3b", "mesh=v5p_128", "ici_context_parallelism=4"])
+        )
+    )
+    listed = {c.estimate.name: len(c.groups) for c in plan.candidates}
+    assert listed["megablox/all_to_all"] >= 2, listed
+    assert listed["dense"] == 0 and listed["megablox/gather"] == 0, listed

@@ -858,3 +858,20 @@ def test_no_fix_offers_a_size_no_setting_takes():
         for offered in f.fixes:
             fixed = {**settings, **{k: v for k, v in offered.overrides if "." not in k}}
             selector.to_config(fixed)  # raises ConfigError (VALUE_TOO_LARGE) if refused
+
+
+def test_every_checked_fix_says_what_a_device_then_holds_and_whether_it_fits():
+    """The README's error case (Qwen3-Next, cp 4, one sequence of 8,192 a device, 8 v5p
+    chips by default): every fix the search keeps was analysed, so each says what a
+    device then holds, whether that fits the chip and the verdict with its margin; and
+    `fits` agrees with the held bytes against the chip's HBM."""
+    over = ["model=qwen3_next_80b_a3b", "ici_context_parallelism=4"]
+    over += ["per_device_batch_size=1", "max_target_length=8192"]
+    cfg = selector.to_config(selector.compose(over))
+    found = selector.validate(cfg)
+    fixes = [x for f in found if f.severity.value == "error" for x in f.fixes]
+    assert fixes
+    chip = cfg.hardware.memory_gib * 2**30
+    for fix in fixes:
+        assert fix.held_bytes is not None and fix.verdict is not None, fix.render()
+        assert fix.fits is (fix.held_bytes <= chip), (fix.render(), fix.held_bytes, fix.fits)
