@@ -969,3 +969,23 @@ def test_the_largest_weight_gathered_outside_the_moe_blocks_is_the_embedding_or_
     outside = step_outside(cfg, plan.mesh, plan.per_device)
     dense = 64 * mlp if dense_layers else 0
     assert outside.all_reduce_other == max(512 * 64, dense) * outside.compute_bytes
+
+
+def test_the_whole_step_study_quotes_the_stored_small_programs():
+    """docs/results/whole-step.md's tables of the all-reduce law at larger tensors and of
+    the unnamed temp's growth a layer are the stored rows of both libtpu releases."""
+    study = " ".join(
+        (RESULTS.parents[1] / "docs" / "results" / "whole-step.md").read_text().split()
+    )
+    for name in LIBTPU_STUDIES:
+        rows = {r["point"]: r for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]}
+        for experts in (16, 32, 64):
+            r = rows[f"gather:{experts}"]
+            quoted = [f"{r['largest_all_reduce_mib']:,.0f}"]
+            quoted += [f"{r[c]:,.0f}" for c in ("temp_mib", "heap_mib", "unnamed_mib")]
+            assert f"| {experts * 112:,} | " + " | ".join(quoted) + " |" in study, (name, experts)
+        for chips, experts in ((64, 4), (64, 16), (16, 4)):
+            tail = "" if chips == 64 else f":{chips}"
+            two, eight = (rows[f"scan:{n}:adamw:{experts}{tail}"] for n in (2, 8))
+            quoted = f"{two['unnamed_mib']:,.0f} / {eight['unnamed_mib']:,.0f}"
+            assert f"| {chips} | {experts} | {two['layer_params_mib']:,.0f} | {quoted} |" in study
