@@ -174,6 +174,7 @@ PARTS = {
         "modules": ("selector/plan.py",),
         "tests": (
             "tests/selector/test_selector_findings.py",
+            "tests/selector/test_cost.py",
             "tests/selector/test_rules_layout.py",
             "tests/selector/test_rules_settings.py",
             "tests/selector/test_rules_strategy.py",

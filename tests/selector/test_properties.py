@@ -361,38 +361,6 @@ def test_two_errors_get_a_joint_fix_that_clears_both():
     assert fixed.ici_expert_parallelism == 4 and fixed.ici_fsdp_parallelism == 2
 
 
-def test_no_joint_fix_where_the_merge_uncovers_an_error_the_plan_finds():
-    """Two errors found before a plan is made (per_device_batch_size=0, a misspelt
-    remat_policy) hide a third that the plan finds (E=12 on expert=8). Each error's own
-    fix is offered, since it leaves the other standing; merged, they leave the experts'
-    error, which comes with a plan. So no fix claims to clear both errors together."""
-    cfg = selector.to_config(
-        selector.compose(
-            [
-                "model=tiny",
-                "mesh=cpu_8",
-                "num_experts=12",
-                "ici_expert_parallelism=8",
-                "ici_fsdp_parallelism=1",
-                "per_device_batch_size=0",
-                "remat_policy=fulll",
-            ]
-        )
-    )
-    found = {f.code: f for f in selector.validate(cfg) if f.severity.value == "error"}
-    assert set(found) == {"VALUE_NOT_POSITIVE", "REMAT_POLICY_UNKNOWN"}
-    batch_fix, remat_fix = (
-        next(x.render() for x in found[code].fixes if not x.joint)
-        for code in ("VALUE_NOT_POSITIVE", "REMAT_POLICY_UNKNOWN")
-    )
-    assert (batch_fix, remat_fix) == ("per_device_batch_size=1", "remat_policy=full")
-    plan, after = selector.api.analyse_any(apply_rendered(cfg, f"{batch_fix} {remat_fix}"))
-    assert plan is not None
-    assert {f.code for f in after if f.severity.value == "error"} == {"EXPERTS_NOT_DIVISIBLE"}
-    offered = [x for f in found.values() for x in f.fixes]
-    assert not [x.render() for x in offered if x.joint or x.note.startswith("clears ")]
-
-
 def test_plan_numbers_for_a_known_point():
     """The consistency property, checked once by hand so a broken helper cannot hide."""
     cfg = dataclasses.replace(

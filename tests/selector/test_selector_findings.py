@@ -875,3 +875,36 @@ def test_every_checked_fix_says_what_a_device_then_holds_and_whether_it_fits():
     for fix in fixes:
         assert fix.held_bytes is not None and fix.verdict is not None, fix.render()
         assert fix.fits is (fix.held_bytes <= chip), (fix.render(), fix.held_bytes, fix.fits)
+
+
+def test_no_joint_fix_where_the_merge_uncovers_an_error_the_plan_finds():
+    """Two errors found before a plan is made (per_device_batch_size=0, a misspelt
+    remat_policy) hide a third that the plan finds (E=12 on expert=8). Each error's own
+    fix is offered, since it leaves the other standing; merged, they leave the experts'
+    error, which comes with a plan. So no fix claims to clear both errors together."""
+    cfg = selector.to_config(
+        selector.compose(
+            [
+                "model=tiny",
+                "mesh=cpu_8",
+                "num_experts=12",
+                "ici_expert_parallelism=8",
+                "ici_fsdp_parallelism=1",
+                "per_device_batch_size=0",
+                "remat_policy=fulll",
+            ]
+        )
+    )
+    found = {f.code: f for f in selector.validate(cfg) if f.severity.value == "error"}
+    assert set(found) == {"VALUE_NOT_POSITIVE", "REMAT_POLICY_UNKNOWN"}
+    batch_fix, remat_fix = (
+        next(x.render() for x in found[code].fixes if not x.joint)
+        for code in ("VALUE_NOT_POSITIVE", "REMAT_POLICY_UNKNOWN")
+    )
+    assert (batch_fix, remat_fix) == ("per_device_batch_size=1", "remat_policy=full")
+    merged = cfg.apply((("per_device_batch_size", 1), ("remat_policy", "full")))
+    plan, after = selector.api.analyse_any(merged)
+    assert plan is not None
+    assert {f.code for f in after if f.severity.value == "error"} == {"EXPERTS_NOT_DIVISIBLE"}
+    offered = [x for f in found.values() for x in f.fixes]
+    assert not [x.render() for x in offered if x.joint or x.note.startswith("clears ")]
