@@ -11,6 +11,10 @@ def typed(*overrides: str) -> Config:
     return selector.to_config(selector.compose([*BASE, *overrides]))
 
 
+# Twelve experts on an expert axis of 8 (and no fsdp): the experts do not divide it.
+TWELVE_EXPERTS_ON_EIGHT = ("num_experts=12", "ici_expert_parallelism=8", "ici_fsdp_parallelism=1")
+
+
 def codes(findings) -> set[str]:
     return {f.code for f in findings}
 

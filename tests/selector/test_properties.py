@@ -6,6 +6,7 @@ import io
 import math
 
 import pytest
+from helpers import TWELVE_EXPERTS_ON_EIGHT, typed
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -339,18 +340,7 @@ def test_two_errors_get_a_joint_fix_that_clears_both():
     """E=12 on expert=8 with a fractional batch: no single fix clears both errors; the
     joint fix, applied as a user would, leaves none, and it keeps expert parallelism
     (the experts' own fix moves the freed devices to fsdp, not to replication)."""
-    cfg = selector.to_config(
-        selector.compose(
-            [
-                "model=tiny",
-                "mesh=cpu_8",
-                "num_experts=12",
-                "ici_expert_parallelism=8",
-                "ici_fsdp_parallelism=1",
-                "per_device_batch_size=0.3",
-            ]
-        )
-    )
+    cfg = typed(*TWELVE_EXPERTS_ON_EIGHT, "per_device_batch_size=0.3")
     found = {f.code: f for f in selector.validate(cfg)}
     assert {"GLOBAL_BATCH_FRACTIONAL", "EXPERTS_NOT_DIVISIBLE"} <= set(found)
     joint = found["EXPERTS_NOT_DIVISIBLE"].fixes[0]

@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from helpers import codes, typed
+from helpers import TWELVE_EXPERTS_ON_EIGHT, codes, typed
 
 import selector
 from selector import Severity
@@ -882,19 +882,7 @@ def test_no_joint_fix_where_the_merge_uncovers_an_error_the_plan_finds():
     remat_policy) hide a third that the plan finds (E=12 on expert=8). Each error's own
     fix is offered, since it leaves the other standing; merged, they leave the experts'
     error, which comes with a plan. So no fix claims to clear both errors together."""
-    cfg = selector.to_config(
-        selector.compose(
-            [
-                "model=tiny",
-                "mesh=cpu_8",
-                "num_experts=12",
-                "ici_expert_parallelism=8",
-                "ici_fsdp_parallelism=1",
-                "per_device_batch_size=0",
-                "remat_policy=fulll",
-            ]
-        )
-    )
+    cfg = typed(*TWELVE_EXPERTS_ON_EIGHT, "per_device_batch_size=0", "remat_policy=fulll")
     found = {f.code: f for f in selector.validate(cfg) if f.severity.value == "error"}
     assert set(found) == {"VALUE_NOT_POSITIVE", "REMAT_POLICY_UNKNOWN"}
     batch_fix, remat_fix = (
