@@ -615,3 +615,15 @@ def test_the_exchanged_arrays_counted_by_hand(train):
     assert written_bytes(arrays) == rows + router + out
     rounds, tokens = (3, 2 * T * 64 * 4) if train else (2, 0)
     assert held_bytes(arrays) == rounds * 4 * b * 64 * 4 + 2 * b * 128 * 4 + router + tokens
+
+
+def test_each_candidate_counts_the_rows_its_own_matmuls_compute():
+    """The tiny model at cp 4 on 8 CPU devices: the dense block computes every token for
+    every expert (T x E rows a device), the grouped matmul at least every routed row
+    (T x k) and fewer than dense."""
+    plan = selector.resolve(typed("ici_context_parallelism=4", "per_device_batch_size=0.25"))
+    tokens = plan.per_device.tokens_per_device
+    cfg = plan.config
+    rows = {c.estimate.name: c.estimate.rows for c in plan.candidates}
+    assert rows["dense"] == tokens * cfg.num_experts
+    assert tokens * cfg.num_experts_per_tok <= rows["megablox/gather"] < rows["dense"]
