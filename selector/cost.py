@@ -330,11 +330,10 @@ def estimate(
     rest = weight_rest_bytes(p)
     rounds = expected_rounds(p, p.mesh.num_devices) if place.exchange is Exchange.all_to_all else 1
     hw = p.hardware
+    compiler = traits(hw.platform, p.release)
     held = held_buffers(strategy, place.exchange, p, hw.platform, p.release)
     memory = block_memory(p, rest, temp_bytes(held, hw.platform))
-    written = written_bytes(
-        block_arrays(strategy, place.exchange, p, traits(hw.platform, p.release))
-    )
+    written = written_bytes(block_arrays(strategy, place.exchange, p, compiler))
     moved = traffic(strategy, place.exchange, p, memory, rounds, written)
     work = count_work(strategy, place.exchange, p, moved, rounds, memory_bytes(strategy, p, moved))
     parts = price(work, hw)
@@ -342,8 +341,8 @@ def estimate(
     layers = p.moe_layers
     relaid = routed_rest_bytes(p) if relaid_for_gather(p, place) else 0.0
     all_reduced = 0.0
-    if gathers_by_all_reduce(traits(hw.platform, p.release), p.mesh, p.gathered):
-        all_reduced = routed_rest_bytes(p) / 3 / p.pb * p.xb * p.gathered  # one matrix
+    if gathers_by_all_reduce(compiler, p.mesh, p.gathered):  # one matrix, as multiplied
+        all_reduced = routed_weight_elements(strategy, p) / 3 * p.xb
     step = step_memory(outside, state, rest * layers, relaid * layers, all_reduced)
     est = Estimate(
         strategy=strategy,
