@@ -68,6 +68,12 @@ COLUMNS = [
 ]
 
 
+def _scan_size(point: str) -> tuple[int, int]:
+    """(experts a layer, chips) of a `scan:L:MODE[:E[:N]]` point."""
+    rest = point.split(":")[3:]
+    return (int(rest[0]) if rest else EXPERTS), (int(rest[1]) if len(rest) > 1 else CHIPS)
+
+
 def _toy(point: str):
     """(jitted function, abstract arguments) of a toy point, on 64 abstract v5p chips."""
     import jax
@@ -83,8 +89,8 @@ def _toy(point: str):
     kind, *rest = point.split(":")
     meshed = kind in ("split", "shmap", "both")
     chips = int(rest[1]) if meshed and len(rest) > 1 else CHIPS
-    if kind == "scan" and len(rest) > 3:  # scan:L:MODE:E:N, on N chips
-        chips = int(rest[3])
+    if kind == "scan":
+        chips = _scan_size(point)[1]
     group = int(rest[2]) if meshed and len(rest) > 2 else chips
     chip_list = np.array(devices(Target.from_hardware("v5p", chips, 1)))
     mesh = Mesh(chip_list.reshape(chips // group, group), ("data", "fsdp"))
@@ -134,7 +140,7 @@ def _toy(point: str):
         )
         return jax.jit(lambda w0, w1, wo, x: swiglu(x, (w0, w1, wo))), (w, w, wo, x)
     layers, mode = int(rest[0]), rest[1]
-    experts = int(rest[2]) if len(rest) > 2 else EXPERTS
+    experts = _scan_size(point)[0]
     in_spec, out_spec = spec(None, None, "fsdp", None), spec(None, None, None, "fsdp")
     w_in = jax.ShapeDtypeStruct((layers, experts, EMB, HIDDEN), jnp.float32, sharding=in_spec)
     w_out = jax.ShapeDtypeStruct((layers, experts, HIDDEN, EMB), jnp.float32, sharding=out_spec)
@@ -214,9 +220,7 @@ def worker(point: str, dump: Path) -> dict:
         alias = stats.alias_size_in_bytes
         layer_params = 0
         if point.startswith("scan"):  # a layer's float32 weights a device
-            parts = point.split(":")
-            experts = int(parts[3]) if len(parts) > 3 else EXPERTS
-            chips = int(parts[4]) if len(parts) > 4 else CHIPS
+            experts, chips = _scan_size(point)
             layer_params = 3 * experts * EMB * HIDDEN * 4 / chips
         module = ""
     files = [p for p in dump.glob("*after_optimizations-buffer-assignment.txt") if module in p.name]
