@@ -39,6 +39,7 @@ from .block_arrays import ROUTER_BYTES, block_arrays, written_bytes
 from .config import Dispatch, Exchange, Hardware
 from .memory_model import (
     HeldBuffers,
+    gathers_by_all_reduce,
     held_buffers,
     routed_weight_elements,
     temp_bytes,
@@ -53,7 +54,7 @@ from .problem import (
     placed,
     rows,
 )
-from .step_memory import StepMemory, StepOutside, gathers_by_all_reduce, step_memory
+from .step_memory import StepMemory, StepOutside, step_memory
 from .tiling import TileOption
 from .timing import TimeParts, Work, count_work, price
 from .traits import traits

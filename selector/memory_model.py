@@ -46,8 +46,9 @@ from dataclasses import dataclass
 
 from .block_arrays import block_arrays, held_bytes
 from .config import DTYPE_BYTES, Config, Dispatch, Exchange
+from .mesh import MeshView
 from .problem import Problem, round_buffer_bytes
-from .traits import NEWEST_TESTED_JAX, traits
+from .traits import NEWEST_TESTED_JAX, Traits, traits
 
 ACCUMULATOR_BYTES = 4  # the exchange's weight-gradient accumulators are float32
 
@@ -96,6 +97,22 @@ def routed_weight_elements(strategy: Dispatch, p: Problem) -> float:
     return experts * 3 * p.M * p.H
 
 
+def within_one_slice(mesh: MeshView | None) -> bool:
+    """Whether `mesh` lies on one slice (no axis split over DCN); no mesh (a problem made
+    by hand): yes."""
+    return mesh is None or mesh.dcn_product([a for a, _ in mesh.sizes]) == 1
+
+
+def gathers_by_all_reduce(compiler: Traits, mesh: MeshView | None, devices: int) -> bool:
+    """Whether `compiler` gathers a tensor split over `devices` of `mesh` by an
+    all-reduce (`Traits.all_reduce_gather_devices`): on one slice, over every device of
+    it, and at least that many. No mesh (a problem made by hand): no."""
+    least = compiler.all_reduce_gather_devices
+    if not least or mesh is None:
+        return False
+    return within_one_slice(mesh) and devices == mesh.num_devices >= least
+
+
 def held_buffers(
     strategy: Dispatch,
     exchange: Exchange,
@@ -123,10 +140,21 @@ def held_buffers(
         gradients += shared * p.xb * 2 / 3 if shared_gathered else 0.0
     elif p.train and (p.gathered > 1 or shared_gathered):
         gradients = routed * p.xb * (p.gathered > 1) + shared * p.xb * shared_gathered
-        # jax 0.12's XLA:GPU reduce-scatters each matrix's gradient before the next is
-        # formed (its buffer assignment, Qwen3-30B-A3B at cp=2 on 8 H200: four 384 MiB
-        # weight-sized buffers, the three gathered and one gradient).
-        gradients *= compiler.gathered_gradients_held
+        # How many of the gathered gradients are held before their reduce-scatter is the
+        # compiler's: jax 0.12's XLA:GPU one of three (its buffer assignment, Qwen3-30B-A3B
+        # at cp=2 on 8 H200: four 384 MiB weight-sized buffers, the three gathered and one
+        # gradient). XLA:TPU holds none where it all-gathers within one slice, the three
+        # where it gathers by an all-reduce (bench.calibration.gathered_gradients); across
+        # slices it was not measured, and the three are kept.
+        share = compiler.gathered_gradients_held
+        all_gather = not gathers_by_all_reduce(compiler, p.mesh, p.gathered)
+        if (
+            compiler.all_gather_gradients_held is not None
+            and all_gather
+            and within_one_slice(p.mesh)
+        ):
+            share = compiler.all_gather_gradients_held
+        gradients *= share
     activations = held_bytes(block_arrays(strategy, exchange, p, compiler))
     gathered_forward = not p.train and strategy is Dispatch.megablox and not exchanged
     if compiler.gathered_forward_second_layout and gathered_forward:

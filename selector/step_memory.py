@@ -39,10 +39,11 @@ from dataclasses import asdict, dataclass
 
 from .architecture import LayerParams, ModelParams, model_params
 from .config import DTYPE_BYTES, Config, ContextStrategy, Dispatch, Exchange, Mode
+from .memory_model import gathers_by_all_reduce
 from .mesh import MeshView
 from .per_device import PerDevice
 from .plan_sizes import shared_width
-from .traits import Traits, jax_release, traits
+from .traits import jax_release, traits
 
 # MaxText 0.2.5's remat policies (layers/nnx_decoders.py, get_remat_policy): the
 # checkpoint names each saves on the device. Offloading policies keep nothing there.
@@ -136,15 +137,6 @@ def non_expert_shards(mesh: MeshView) -> int:
     """Devices a non-expert weight is split over: every axis but the data axes."""
     axes = set(mesh.embed_axes) | set(mesh.hidden_axes) | set(mesh.expert_axes)
     return mesh.product(sorted(axes))
-
-
-def gathers_by_all_reduce(compiler: Traits, mesh: MeshView, devices: int) -> bool:
-    """Whether `compiler` gathers a tensor split over `devices` of `mesh` by an
-    all-reduce (`Traits.all_reduce_gather_devices`): on one slice, over every device of
-    it, and at least that many."""
-    least = compiler.all_reduce_gather_devices
-    one_slice = mesh.dcn_product([a for a, _ in mesh.sizes]) == 1
-    return bool(least) and one_slice and devices == mesh.num_devices >= least
 
 
 def largest_other_matrix(cfg: Config, params: ModelParams) -> int:

@@ -32,7 +32,13 @@ class Traits:
         where the copy would be 6.9).
       gathered_gradients_held: the share of the three gathered weight gradients held at
         once before their reduce-scatter (jax 0.12's XLA:GPU reduce-scatters each
-        matrix's before forming the next: one of three).
+        matrix's before forming the next: one of three; XLA:TPU, where it gathers by an
+        all-reduce (`all_reduce_gather_devices`), the three).
+      all_gather_gradients_held: the same where the weights are all-gathered within one
+        slice, where it differs (None: as `gathered_gradients_held`). XLA:TPU holds
+        none: a gathered training block's temp is 1.1 to 1.4 times its gathered weights
+        there, 2.2 to 2.3 times where the gather is an all-reduce (8 to 128 v5p chips,
+        both libtpu releases; `bench.calibration.gathered_gradients`).
       gathered_forward_second_layout: a serving forward of the gathered grouped matmul
         holds a second layout of one gathered matrix and the expert outputs beside the
         sorted rows (jax 0.10's XLA:GPU; jax 0.12's holds neither).
@@ -146,6 +152,7 @@ class Traits:
     weight_copy_in_f32: bool = False
     fuses_weight_cast: bool = False
     gathered_gradients_held: float = 1.0
+    all_gather_gradients_held: float | None = None
     gathered_forward_second_layout: bool = False
     hoists_f32_expert_stacks: bool = False
     exchange_collective: str = "ragged_all_to_all"
@@ -185,6 +192,7 @@ _XLA_GPU = Traits(
 # XLA:TPU as libtpu 0.0.42 (jax 0.10) compiles; libtpu 0.0.50 (jax 0.12) changes its heap.
 _XLA_TPU = Traits(
     fuses_weight_cast=True,
+    all_gather_gradients_held=0.0,
     native_gmm="pallas_megablox",
     ragged_dot_dense=False,
     gather_relayouts=("out",),

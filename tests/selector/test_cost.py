@@ -627,3 +627,25 @@ def test_each_candidate_counts_the_rows_its_own_matmuls_compute():
     rows = {c.estimate.name: c.estimate.rows for c in plan.candidates}
     assert rows["dense"] == tokens * cfg.num_experts
     assert tokens * cfg.num_experts_per_tok <= rows["megablox/gather"] < rows["dense"]
+
+
+def test_each_candidate_moves_its_own_activations_through_memory():
+    """tiny (E 8, k 2, emb 64, hidden 128, no shared expert, float32) on XLA:CPU at
+    cp 4, training: every array a candidate's forward writes is written once and read
+    once more, forward and backward, beside the expert weights it reads. Counted by
+    hand for the grouped matmul gathered (the tokens out, the float32 router
+    probabilities, the routed rows in, their hidden pair, its product, the rows out) and
+    exchanged (the same, and each routed row sent and received once)."""
+    from selector.cost import weights_read
+    from selector.problem import problem_shape
+
+    cfg, plan, _ = problem("ici_context_parallelism=4", "allow_local_batch_inflation=true")
+    for exchange, round_trips in ((Exchange.gather, 0), (Exchange.all_to_all, 1)):
+        candidate = plan.candidate(Dispatch.megablox, exchange)
+        p = problem_shape(cfg, plan.mesh, candidate.placement)
+        assert (p.M, p.H, p.E, p.k, p.Hs, p.xb, p.passes) == (64, 128, 8, 2, 0, 4, 3)
+        rows = p.T * p.k
+        written = 4 * (p.T * 64 + rows * (64 + 2 * 128 + 128 + 64 + round_trips * 2 * 64))
+        written += 4 * p.T * 8  # router probabilities
+        moved = candidate.estimate.traffic.hbm - weights_read(Dispatch.megablox, p)
+        assert moved == pytest.approx(2 * written * 3), exchange

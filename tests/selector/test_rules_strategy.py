@@ -130,13 +130,14 @@ def test_a_gather_asked_for_is_offered_the_exchange_with_fsdp_in_the_expert_grou
 
 
 def test_a_gather_asked_for_is_offered_the_exchange_over_experts_and_sequence():
-    """Qwen3-Next-80B-A3B on 16 v5p chips (fsdp 2 x context 4 x expert 2), the experts
-    gathered as asked: the step is within the margin of the chip. Exchanging them over
-    the expert and context axes is offered with both keys (the group alone leaves the
-    gather asked for, and the step in the margin), and with it the step leaves the margin."""
-    over = ["model=qwen3_next_80b_a3b", "num_devices=16", "hardware=v5p"]
+    """Mixtral-8x7B on 16 v5p chips (fsdp 2 x context 4 x expert 2), float32 weights,
+    one sequence of 32k tokens a device, the experts gathered as asked: the step is
+    within the margin of the chip. Exchanging them over the expert and context axes is
+    offered with both keys (the group alone leaves the gather asked for, and the step in
+    the margin), and with it the step leaves the margin."""
+    over = ["model=mixtral_8x7b", "num_devices=16", "hardware=v5p"]
     over += ["ici_fsdp_parallelism=2", "ici_context_parallelism=4", "ici_expert_parallelism=2"]
-    over += ["per_device_batch_size=0.25", "max_target_length=16384", "param_dtype=bfloat16"]
+    over += ["per_device_batch_size=1", "max_target_length=32768", "param_dtype=float32"]
     _, found = analyse(selector.to_config(selector.compose([*over, "expert_exchange=gather"])))
     (memory,) = [f for f in found if f.code == "MEMORY_WITHIN_MARGIN"]
     exchanged = "expert_exchange=all_to_all expert_group=expert_and_sequence"

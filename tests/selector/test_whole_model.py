@@ -651,10 +651,10 @@ def test_the_attention_activations_split_over_the_tensor_axis():
 def test_float32_weights_over_the_chip_are_offered_bfloat16_storage():
     """The native route's memory fixes include storing the weights in bfloat16, checked
     (each leaves the whole step surely under the chip, its margin counted): Mixtral on
-    16 v5p chips with 14 sequences of 2,048 a device (float32 weights), about 67 GiB
+    16 v5p chips with 18 sequences of 2,048 a device (float32 weights), about 68 GiB
     estimated, within v5p's margin of its 95."""
     over = ["model=mixtral_8x7b", "hardware=v5p", "num_devices=16"]
-    over += ["per_device_batch_size=14", "max_target_length=2048", "param_dtype=float32"]
+    over += ["per_device_batch_size=18", "max_target_length=2048", "param_dtype=float32"]
     _, found = analyse(selector.to_config(selector.compose(over)))
     (memory,) = [f for f in found if f.code in ("MEMORY_EXCEEDED", "MEMORY_WITHIN_MARGIN")]
     rendered = [x.render() for x in memory.fixes]
