@@ -660,3 +660,25 @@ def test_xla_tpu_keeps_the_gathered_gradients_across_slices_where_nothing_was_me
     assert p.gathered == 8 and one.gradients == 0
     two, p = _tiny_held(*over, "num_devices=16", "num_slices=2", "dcn_fsdp_parallelism=2")
     assert p.gathered == 16 and two.gradients == 8 * 3 * 64 * 128 * 4
+
+
+def test_a_tensor_is_gathered_by_all_reduce_only_over_a_whole_slice_of_64_on_xla_tpu():
+    """`gathers_by_all_reduce`: XLA:TPU, one slice, every one of its 64 chips: yes; 32
+    of them (a data axis beside), or 64 spread over two slices: no; XLA:GPU never; a
+    problem with no mesh: no."""
+    from selector.memory_model import gathers_by_all_reduce
+    from selector.traits import traits
+
+    tpu, gpu = traits("tpu"), traits("gpu")
+    common = ("hardware=v5p", "num_devices=64", "per_device_batch_size=1")
+    _, whole, _ = problem(*common, "ici_fsdp_parallelism=64")
+    _, half, _ = problem(*common, "ici_fsdp_parallelism=32", "ici_data_parallelism=2")
+    _, two, _ = problem(
+        *common, "num_slices=2", "ici_fsdp_parallelism=32", "dcn_fsdp_parallelism=2"
+    )
+    assert gathers_by_all_reduce(tpu, whole.mesh, 64)
+    assert not gathers_by_all_reduce(tpu, whole.mesh, 32)
+    assert not gathers_by_all_reduce(tpu, half.mesh, 32)
+    assert not gathers_by_all_reduce(tpu, two.mesh, 64)
+    assert not gathers_by_all_reduce(gpu, whole.mesh, 64)
+    assert not gathers_by_all_reduce(tpu, None, 64)
