@@ -491,13 +491,17 @@ EXCHANGE_HEAP = {
 }
 
 
-def heap_study_rows(study: str) -> dict[str, dict]:
-    """The stored rows of one `exchange_heap` study that compiled, by point, after
-    checking the study ran on the jax release `EXCHANGE_HEAP` names for it."""
+def study_rows(study: str, release: tuple[int, int]) -> dict[str, dict]:
+    """The stored rows of one study that compiled, by point, after checking the study ran
+    on jax `release`."""
     payload = json.loads((RESULTS / f"{study}.json").read_text())
-    release = EXCHANGE_HEAP[study][2]
     assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
     return {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
+
+
+def heap_study_rows(study: str) -> dict[str, dict]:
+    """`study_rows` of one `exchange_heap` study, on the release `EXCHANGE_HEAP` names."""
+    return study_rows(study, EXCHANGE_HEAP[study][2])
 
 
 @pytest.mark.parametrize("study", sorted(EXCHANGE_HEAP))
@@ -600,9 +604,9 @@ def test_xla_tpu_holds_the_gathered_gradients_only_where_it_gathers_by_all_reduc
     block is counted within 15% but the two of 8,192 tokens a device, within 35% (the
     activations are under-counted there: gathered by all-gather -22% on libtpu 0.0.42 and
     -32% on 0.0.50, by all-reduce +19% and +3%, where the gradients and the activations
-    do not peak together); counting the
-    three everywhere (the old cover) misses the all-gathered blocks by more than half,
-    and counting none the all-reduced ones by more than 40%."""
+    do not peak together); counting the three everywhere (the old cover) misses the
+    all-gathered blocks by more than half, and counting none the all-reduced ones by
+    more than 40%."""
     import dataclasses
     from statistics import median
 
@@ -611,9 +615,7 @@ def test_xla_tpu_holds_the_gathered_gradients_only_where_it_gathers_by_all_reduc
     from selector.traits import traits
 
     release = GATHERED_GRADIENTS[study]
-    payload = json.loads((RESULTS / f"{study}.json").read_text())
-    assert selector.traits.jax_release(payload["stack"].removeprefix("jax ")) == release
-    rows = {r["point"]: r for r in payload["rows"] if r["status"] == "ok"}
+    rows = study_rows(study, release)
     compiler = traits("tpu", release)
     shares, errors, worst = {False: [], True: []}, {}, {False: 0.0, True: 0.0}
     for name, shape in gathered_gradients.POINTS:
