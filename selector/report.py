@@ -345,6 +345,7 @@ def render_step(cfg: Config, plan: DispatchPlan) -> list[str]:
     lines += [
         f"  {'peak':<22} {parts['total'] / 2**30:>9.3g}  (what rests + what is saved + the",
         f"  {'':<22} {'':>9}  largest of the logits and one layer's attention + MoE block"
+        + (" + the logits' gradient" if parts.get("logits_gradient_held") else "")
         + (" + the all-reduce copy)" if parts.get("all_reduce_copy") else ")"),
     ]
     est, hw = plan.chosen_estimate, cfg.hardware

@@ -21,7 +21,9 @@ training (or serving) step of the whole decoder holds, from shapes and dtypes al
   rematerialises the layer: its attention (the weights gathered in the compute dtype and
   their float32 gradient before the reduce-scatter, queries, keys and values gathered
   over the sequence shards, the output and the cotangents of each) plus its feed-forward
-  (the MoE block's program from `cost`, or a dense SwiGLU's);
+  (the MoE block's program from `cost`, or a dense SwiGLU's), beside the logits'
+  gradient where the compiler keeps it live through the layers' backward (XLA:TPU
+  under context parallelism: `Traits.logits_gradient_held_from_cp`);
 - on a compiler that gathers a tensor whole over every device of a large slice by an
   all-reduce (`Traits.all_reduce_gather_devices`), one more buffer the size of the
   largest tensor so gathered, which the program holds beside its named buffers.
@@ -39,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 from .architecture import LayerParams, ModelParams, model_params
 from .config import DTYPE_BYTES, Config, ContextStrategy, Dispatch, Exchange, Mode
-from .memory_model import gathers_by_all_reduce
+from .memory_model import gathers_by_all_reduce, within_one_slice
 from .mesh import MeshView
 from .per_device import PerDevice
 from .plan_sizes import shared_width
@@ -85,6 +87,7 @@ STEP_PARTS = (
     "kv_cache",
     "saved_activations",
     "logits",
+    "logits_gradient_held",
     "attention_peak",
     "moe_block",
     "dense_ffn_peak",
@@ -110,6 +113,9 @@ class StepMemory:
     kv_cache: float  # serving: keys and values (or MLA's latent) of every attention layer
     saved_activations: float  # kept across layers for the backward
     logits: float  # the loss's logits (and gradient when training), one vocab tile
+    # Of those, the gradient, where the compiler keeps it live through the layers'
+    # backward (`Traits.logits_gradient_held_from_cp`; else 0).
+    logits_gradient_held: float
     attention_peak: float  # one layer's attention at its backward (forward when serving)
     dense_ffn_peak: float  # one dense feed-forward layer's working set (0 without one)
     # The buffer an all-reduce that gathers a tensor whole leaves (0 where none does).
@@ -123,7 +129,7 @@ class StepMemory:
         """The step's peak, given the MoE block's transient bytes (its program less
         the weights and gradients that rest)."""
         layer = self.attention_peak + max(moe_block, self.dense_ffn_peak)
-        peak = max(self.logits, layer)
+        peak = max(self.logits, self.logits_gradient_held + layer)
         return self.at_rest + self.saved_activations + peak + self.all_reduce_copy
 
     def breakdown(self, moe_block: float) -> dict:
@@ -345,6 +351,7 @@ class StepOutside:
     kv_cache: float
     saved_activations: float
     logits: float
+    logits_gradient_held: float
     attention_peak: float
     dense_ffn_peak: float
     # The largest weight outside the MoE blocks in the compute dtype, where the compiler
@@ -371,6 +378,16 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
     logit_tokens = tokens / max(cfg.num_vocab_tiling, 1)
     logit_bytes = 4 if cfg.logits_dot_in_fp32 else xb
     compiler = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
+    logits = logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1)
+    # The logits' gradient outlives the loss where the compiler keeps it under context
+    # parallelism, on one slice where it all-gathers the weights (not where it gathers
+    # them by an all-reduce: measured at 64 chips, none held; across slices not
+    # measured, not held), in the compute dtype whatever the head's; tiled logits never
+    # hold a whole gradient (both measured).
+    held_from = compiler.logits_gradient_held_from_cp
+    all_reduce = gathers_by_all_reduce(compiler, mesh, other_gathered(mesh))
+    held = train and held_from and mesh.cp >= held_from and not all_reduce
+    held = held and within_one_slice(mesh) and cfg.num_vocab_tiling <= 1
     kv_cache = 0.0
     if not train:  # the cache of every sequence this device serves, split over cp
         cached = dev.local_batch * cfg.max_target_length / max(mesh.cp, 1)
@@ -384,14 +401,11 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
         layer_other_params=other - outside / non_expert_shards(mesh),
         kv_cache=kv_cache,
         saved_activations=tokens * saved_per_token(cfg, params) * xb if train else 0.0,
-        logits=logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1),
+        logits=logits,
+        logits_gradient_held=tokens * cfg.vocab_size / hidden * xb if held else 0.0,
         attention_peak=attention_peak(cfg, mesh, tokens, train, params),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train, params),
-        all_reduce_other=(
-            largest_other_matrix(cfg, params) * xb
-            if gathers_by_all_reduce(compiler, mesh, other_gathered(mesh))
-            else 0.0
-        ),
+        all_reduce_other=largest_other_matrix(cfg, params) * xb if all_reduce else 0.0,
     )
 
 
@@ -433,6 +447,7 @@ def step_memory(
         kv_cache=o.kv_cache,
         saved_activations=o.saved_activations,
         logits=o.logits,
+        logits_gradient_held=o.logits_gradient_held,
         attention_peak=o.attention_peak,
         dense_ffn_peak=o.dense_ffn_peak,
         all_reduce_copy=max(o.all_reduce_other, moe_all_reduced),

@@ -137,6 +137,17 @@ class Traits:
         over 8 to 32 chips, or over fewer than every chip of a slice, it is
         all-gathered and leaves none. One slice only; other TPU generations not
         measured.
+      logits_gradient_held_from_cp: the smallest context parallelism at which the
+        loss's logits gradient (in the compute dtype, one vocabulary tile of it) stays
+        live through the layers' backward, beside each layer's working set, on a slice
+        where the weights are all-gathered (0: never). Read at the heap's peak in
+        MaxText 0.2.5's train steps compiled for v5p (libtpu 0.0.50;
+        `bench.calibration.logits_lifetime`: four decoder layers, in no judge set): at
+        cp 1 the gradient is gone before the layers' backward; from cp 2 on 8 and 16
+        chips it is live there; on a whole slice of 64 chips, where the weights are
+        gathered by an all-reduce (`all_reduce_gather_devices`), it is not. Across
+        slices not measured (not held); libtpu 0.0.42 not read (MaxText 0.2.5 needs
+        jax 0.12): its row keeps the same.
       host_devices: the devices of one host that share its fast links (NVLink: 8 GPUs of
         an H100 or H200 host), where a slice is a host; 0 where a slice's own links
         join every device of it (a TPU slice's ICI torus; the simulated CPU devices).
@@ -169,6 +180,7 @@ class Traits:
     exchange_serving_heap: tuple[float, float] = (1.0, 1.0)
     exchange_serving_window: tuple[float, float, float] = (0.0, 0.0, 0.0)
     all_reduce_gather_devices: int = 0
+    logits_gradient_held_from_cp: int = 0
     host_devices: int = 0
     compiler_factor: float = 1.0
 
@@ -199,6 +211,7 @@ _XLA_TPU = Traits(
     exchange_row_buffers=(2, 3),
     exchange_heap=(0.85, 1.40),
     all_reduce_gather_devices=64,
+    logits_gradient_held_from_cp=2,
 )
 
 # (platform, first jax release the row holds for): the row. A platform's rows are read

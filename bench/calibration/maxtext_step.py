@@ -142,6 +142,22 @@ def parse_log(text: str) -> dict:
     return out
 
 
+def run_train_compile(
+    python: str, cmd_tail: list[str], timeout: float, cwd: str, env: dict | None = None
+) -> tuple[str, int] | None:
+    """`python cmd_tail` (MaxText's train_compile) on the CPU backend, `env` added to this
+    process's environment: (its stdout and stderr, its exit status), or None when it ran
+    past `timeout`."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    try:
+        proc = subprocess.run(
+            [python, *cmd_tail], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.stdout + "\n" + proc.stderr, proc.returncode
+
+
 def compile_point(python: str, base: str, point: dict, args, cache: dict) -> dict:
     cmd_tail = ["-m", "maxtext.trainers.pre_train.train_compile", base, *overrides(point, args)]
     key = "JAX_PLATFORMS=cpu python " + " ".join(cmd_tail)
@@ -149,22 +165,13 @@ def compile_point(python: str, base: str, point: dict, args, cache: dict) -> dic
         return cache[key]
     timeout = args.timeout_large if point["chips"] > 8 else args.timeout
     print(f"[{point['label']}] compiling (timeout {timeout} s): {key}", flush=True)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [python, *cmd_tail],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=args.workdir,
-        )
-        text = proc.stdout + "\n" + proc.stderr
-        result = parse_log(text)
-        result["returncode"] = proc.returncode
-    except subprocess.TimeoutExpired:
+    ran = run_train_compile(python, cmd_tail, timeout, args.workdir)
+    text = ran[0] if ran else ""
+    if ran is None:
         result = {"status": "timeout", "message": f"no result within {timeout} s"}
+    else:
+        result = {**parse_log(text), "returncode": ran[1]}
     result["compile_s"] = round(time.monotonic() - start, 1)
     result["command"] = key
     if args.logs:

@@ -168,7 +168,8 @@ def memory_fits(cfg: Config, mesh: MeshView, dev: PerDevice, est: Estimate) -> l
             f"dispatch={est.name}: the whole step needs about {est.device_bytes / gib:.3g} "
             f"GiB per device, more than the {cfg.hardware.memory_gib:g} GiB of a "
             f"{cfg.hardware.name} ({shown} GiB; the peak holds what rests, what is saved "
-            "and the largest of the logits and one layer's attention plus MoE block, and "
+            "and the largest of the logits and one layer's attention plus MoE block (with the "
+            "logits' gradient where the compiler keeps it through the layers), and "
             "the copy an all-reduce leaves where it gathers a tensor over the whole slice); "
             + (
                 "the parameters' state dominates: shard it over more devices or store it smaller."

@@ -200,11 +200,12 @@ def test_whole_step_holds_at_least_a_hand_counted_lower_bound(preset):
 def whole_step(parts: dict) -> float:
     """A device's peak from a breakdown's parts: what rests, what is saved, the larger of
     the logits and one layer (its attention with the larger of the MoE block and a dense
-    feed-forward), and the buffer an all-reduce leaves."""
+    feed-forward, beside the logits' gradient where the compiler keeps it), and the
+    buffer an all-reduce leaves."""
     rest = parts["weights"] + parts["weights_cast"] + parts["gradients"]
     rest += parts["optimizer"] + parts["kv_cache"]
     layer = parts["attention_peak"] + max(parts["moe_block"], parts["dense_ffn_peak"])
-    peak = max(parts["logits"], layer)
+    peak = max(parts["logits"], parts["logits_gradient_held"] + layer)
     return rest + parts["saved_activations"] + peak + parts["all_reduce_copy"]
 
 
@@ -992,3 +993,89 @@ def test_the_whole_step_study_quotes_the_stored_small_programs():
             two, eight = (rows[f"scan:{n}:adamw:{experts}{tail}"] for n in (2, 8))
             quoted = f"{two['unnamed_mib']:,.0f} / {eight['unnamed_mib']:,.0f}"
             assert f"| {chips} | {experts} | {two['layer_params_mib']:,.0f} | {quoted} |" in study
+
+
+def test_xla_tpu_keeps_the_logits_gradient_through_the_layers_backward_under_cp(maxtext_dir):
+    """`Traits.logits_gradient_held_from_cp`, read from MaxText's compiled steps in no
+    judge set (`bench.calibration.logits_lifetime`): at each peak inside the layers'
+    backward, a buffer of the backward the size of the logits' gradient in the compute
+    dtype (float32 logits included) is live outside the layer loop exactly where cp is 2
+    or more on a slice where the weights are all-gathered (fewer than 64 chips) and the
+    logits are not tiled; at cp 1, on a whole slice of 64 (gathered by an all-reduce) and
+    with num_vocab_tiling there is none. The MaxText route's count of each point holds it
+    there and only there."""
+    import argparse
+
+    from bench.calibration import logits_lifetime, maxtext_step
+    from selector.traits import traits
+
+    least = traits("tpu", (0, 12)).logits_gradient_held_from_cp
+    assert least == traits("tpu", (0, 10)).logits_gradient_held_from_cp == 2
+    payload = json.loads((RESULTS / "logits_lifetime.json").read_text())
+    assert payload["maxtext_stack"]["jax"] == "0.12.0.1"
+    base = str(maxtext_dir / "configs" / "base.yml")
+    batch = argparse.Namespace(**logits_lifetime.BATCH)
+    seen = set()
+    for row in payload["rows"]:
+        if row["status"] != "ok" or not row["peak_in_layers_backward"]:
+            continue
+        point = maxtext_step.parse_point(row["point"])
+        config = from_maxtext(base, maxtext_step.overrides(point, batch)).config
+        parts = analyse(config)[0].chosen_estimate.device_breakdown
+        tiled = config.num_vocab_tiling > 1
+        held = point["cp"] >= least and point["chips"] < 64 and not tiled
+        # the gradient in the compute dtype (bfloat16): a quarter of float32 logits' pair
+        gradient = parts["logits"] / (4 if config.logits_dot_in_fp32 else 2)
+        assert row["held_gib"] * 2**30 == pytest.approx(gradient if held else 0.0), row["point"]
+        assert parts["logits_gradient_held"] == (gradient if held else 0.0), row["point"]
+        assert parts["total"] == pytest.approx(whole_step(parts))
+        seen.add((held, point["cp"], point["chips"], tiled, config.logits_dot_in_fp32))
+    wanted = {(False, 1, 8), (True, 2, 8), (True, 4, 16), (True, 8, 16), (False, 4, 64)}
+    assert wanted <= {s[:3] for s in seen}
+    assert {(False, 4, 16, True, False), (True, 4, 16, False, True)} <= seen
+
+
+def test_the_logits_lifetime_table_on_the_whole_step_page_is_the_stored_rows():
+    """docs/results/whole-step.md quotes `bench.calibration.logits_lifetime`'s rows as
+    the study renders them (`markdown`), so a re-run that changes them fails here."""
+    from bench.calibration.logits_lifetime import markdown
+
+    rows = json.loads((RESULTS / "logits_lifetime.json").read_text())["rows"]
+    page = (RESULTS.parents[1] / "docs" / "results" / "whole-step.md").read_text()
+    assert markdown(rows) in page
+
+
+@pytest.mark.parametrize(
+    ("over", "held"),
+    [
+        (("num_devices=16", "ici_fsdp_parallelism=4", "ici_context_parallelism=4"), True),
+        (("num_devices=16", "ici_fsdp_parallelism=16"), False),  # cp 1
+        (("num_devices=64", "ici_fsdp_parallelism=16", "ici_context_parallelism=4"), False),
+        (
+            (
+                "num_devices=32",
+                "num_slices=2",
+                "ici_fsdp_parallelism=4",
+                "ici_context_parallelism=4",
+                "dcn_fsdp_parallelism=2",
+            ),
+            False,  # across slices: not measured
+        ),
+        (("num_devices=16", "ici_context_parallelism=4", "num_vocab_tiling=4"), False),
+        (("num_devices=16", "ici_context_parallelism=4", "hardware=h200"), False),
+    ],
+)
+def test_the_logits_gradient_is_held_only_where_it_was_measured(over, held):
+    """`logits_gradient_held`: the logits' gradient in the compute dtype (tiny's float32:
+    tokens x vocabulary x 4 bytes) on XLA:TPU, cp 2 or more, one slice, the weights
+    all-gathered, untiled logits; nothing elsewhere."""
+    from selector.step_memory import step_outside
+
+    base = ["model=tiny", "hardware=v5p", "vocab_size=512", "mode=train"]
+    base += ["per_device_batch_size=1", "max_target_length=1024"]
+    cfg = selector.to_config(selector.compose([*base, *over]))
+    plan, found = analyse(cfg)
+    assert plan is not None, [f.code for f in found]
+    outside = step_outside(cfg, plan.mesh, plan.per_device)
+    tokens = plan.per_device.tokens_per_device
+    assert outside.logits_gradient_held == (tokens * 512 * 4 if held else 0.0)
