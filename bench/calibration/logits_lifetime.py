@@ -61,6 +61,11 @@ POINTS = (
     ":num_vocab_tiling=4",
     f"mixtral-8x7b:4:v5p-32:{LAYERS}:max_target_length=65536:per_device_batch_size=0.25",
     f"deepseek3-671b:4:v5p-128:{LAYERS}:max_target_length=16384:per_device_batch_size=0.25",
+    # the routed rows' shape: k and the hidden width moved at cp 4 on 16 chips
+    f"qwen3-30b-a3b:4:v5p-32:{LAYERS}:max_target_length=65536:per_device_batch_size=0.25"
+    ":num_experts_per_tok=2",
+    f"qwen3-30b-a3b:4:v5p-32:{LAYERS}:max_target_length=65536:per_device_batch_size=0.25"
+    ":base_moe_mlp_dim=1536",
     # a whole slice of 64 chips, where XLA:TPU gathers by an all-reduce
     f"qwen3-30b-a3b:4:v5p-128:{LAYERS}:max_target_length=65536:per_device_batch_size=0.25",
 )
@@ -219,6 +224,62 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# What a buffer inside the layers' loop is, by the operation that names it.
+KINDS = (
+    ("weights cast", "convert_element_type"),
+    ("routed rows (sort)", "sort_activations"),
+    ("grouped matmuls", "gmm"),
+    ("all-reduce", "psum"),
+    ("activation", "ffn_act"),
+    ("attention", "splash"),
+    ("loop carry", "wide.param"),
+)
+
+
+def loop_buffers(row: dict) -> list[tuple[str, int]]:
+    """The buffers of the layers' backward loop live at a row's peak: those nested under
+    the loop's entry (`loop_entries`) and those the report lists at its top level with
+    the loop's name (DeepSeek-V3's psum and grouped matmul, for one)."""
+    top = [
+        ("/".join(name.split("/")[-3:]), held)
+        for name, held in row["entries"]
+        if LOOP in name and not name.endswith(LOOP)
+    ]
+    return [*row["loop_entries"], *top]
+
+
+def loop_kinds(loop_entries: list[tuple[str, int]]) -> dict[str, float]:
+    """GiB of the layer loop's buffers at the peak by kind (`KINDS`; the rest "other")."""
+    out = {name: 0.0 for name, _ in KINDS} | {"other": 0.0}
+    for name, held in loop_entries:
+        kind = next((k for k, part in KINDS if part in name), "other")
+        out[kind] += held / GIB
+    return out
+
+
+def layer_markdown(rows: list[dict]) -> str:
+    """The docs' table of what one layer's backward holds in MaxText's loop at the peak,
+    against the count of the layer (attention and the larger of the MoE block and a
+    dense feed-forward)."""
+    kinds = [name for name, _ in KINDS] + ["other"]
+    lines = [
+        "| point (4 layers) | loop GiB | counted layer GiB | " + " | ".join(kinds) + " |",
+        "|---|---|---|" + "---|" * len(kinds),
+    ]
+    for r in rows:
+        if r["status"] != "ok" or "loop_entries" not in r:
+            continue
+        b = r["breakdown"]
+        layer = b["attention_peak"] + max(b["moe_block"], b["dense_ffn_peak"])
+        held = loop_kinds(loop_buffers(r))
+        lines.append(
+            f"| {short(r['point'])} | {sum(held.values()):.2f} | {layer / GIB:.2f} | "
+            + " | ".join(f"{held[k]:.2f}" for k in kinds)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict]):
     plt = pyplot()
     shown = [r for r in rows if r["status"] == "ok"]
@@ -282,12 +343,20 @@ def main(argv=None) -> None:
             stored[label] = row_of(label, python, base, args.timeout)
             summary = {k: stored[label].get(k) for k in ("point", "status", "error")}
             print(json.dumps(summary), flush=True)
-    rows = [stored[p] for p in POINTS if p in stored]
-    rows += [r for p, r in stored.items() if p not in POINTS]
+            write(stored, python)  # each point as it compiles
+    rows = write(stored, python)
     print(table(rows, COLUMNS))
     print(markdown(rows))
+    print(layer_markdown(rows))
+
+
+def write(stored: dict[str, dict], python: str) -> list[dict]:
+    """The study's JSON and PNG from the rows by point (POINTS' order first); the rows."""
+    rows = [stored[p] for p in POINTS if p in stored]
+    rows += [r for p, r in stored.items() if p not in POINTS]
     payload = {"study": STUDY, "maxtext_stack": maxtext_step.versions(python), "rows": rows}
-    print("wrote", *save(STUDY, payload, plot(rows)))
+    print("wrote", *save(STUDY, payload, plot(rows)), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1037,12 +1037,14 @@ def test_xla_tpu_keeps_the_logits_gradient_through_the_layers_backward_under_cp(
 
 def test_the_logits_lifetime_table_on_the_whole_step_page_is_the_stored_rows():
     """docs/results/whole-step.md quotes `bench.calibration.logits_lifetime`'s rows as
-    the study renders them (`markdown`), so a re-run that changes them fails here."""
-    from bench.calibration.logits_lifetime import markdown
+    the study renders them (`markdown`, `layer_markdown`), so a re-run that changes them
+    fails here."""
+    from bench.calibration.logits_lifetime import layer_markdown, markdown
 
     rows = json.loads((RESULTS / "logits_lifetime.json").read_text())["rows"]
     page = (RESULTS.parents[1] / "docs" / "results" / "whole-step.md").read_text()
     assert markdown(rows) in page
+    assert layer_markdown(rows) in page
 
 
 @pytest.mark.parametrize(
