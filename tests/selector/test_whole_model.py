@@ -1048,11 +1048,13 @@ def test_the_logits_lifetime_table_on_the_whole_step_page_is_the_stored_rows():
 
 
 @pytest.mark.parametrize(
-    ("over", "held"),
+    ("over", "split"),
     [
-        (("num_devices=16", "ici_fsdp_parallelism=4", "ici_context_parallelism=4"), True),
-        (("num_devices=16", "ici_fsdp_parallelism=16"), False),  # cp 1
-        (("num_devices=64", "ici_fsdp_parallelism=16", "ici_context_parallelism=4"), False),
+        (("num_devices=16", "ici_fsdp_parallelism=4", "ici_context_parallelism=4"), 1),
+        # the vocabulary split over the tensor axis, the gradient with it
+        (("num_devices=16", "ici_context_parallelism=4", "ici_tensor_parallelism=2"), 2),
+        (("num_devices=16", "ici_fsdp_parallelism=16"), 0),  # cp 1
+        (("num_devices=64", "ici_fsdp_parallelism=16", "ici_context_parallelism=4"), 0),
         (
             (
                 "num_devices=32",
@@ -1061,16 +1063,17 @@ def test_the_logits_lifetime_table_on_the_whole_step_page_is_the_stored_rows():
                 "ici_context_parallelism=4",
                 "dcn_fsdp_parallelism=2",
             ),
-            False,  # across slices: not measured
+            0,  # across slices: not measured
         ),
-        (("num_devices=16", "ici_context_parallelism=4", "num_vocab_tiling=4"), False),
-        (("num_devices=16", "ici_context_parallelism=4", "hardware=h200"), False),
+        (("num_devices=16", "ici_context_parallelism=4", "num_vocab_tiling=2"), 0),
+        (("num_devices=16", "ici_context_parallelism=4", "hardware=h200"), 0),
     ],
 )
-def test_the_logits_gradient_is_held_only_where_it_was_measured(over, held):
+def test_the_logits_gradient_is_held_only_where_it_was_measured(over, split):
     """`logits_gradient_held`: the logits' gradient in the compute dtype (tiny's float32:
-    tokens x vocabulary x 4 bytes) on XLA:TPU, cp 2 or more, one slice, the weights
-    all-gathered, untiled logits; nothing elsewhere."""
+    tokens x vocabulary x 4 bytes, the vocabulary split over the tensor axis) on XLA:TPU,
+    cp 2 or more, one slice, the weights all-gathered, untiled logits; nothing elsewhere
+    (`split` 0)."""
     from selector.step_memory import step_outside
 
     base = ["model=tiny", "hardware=v5p", "vocab_size=512", "mode=train"]
@@ -1080,4 +1083,5 @@ def test_the_logits_gradient_is_held_only_where_it_was_measured(over, held):
     assert plan is not None, [f.code for f in found]
     outside = step_outside(cfg, plan.mesh, plan.per_device)
     tokens = plan.per_device.tokens_per_device
-    assert outside.logits_gradient_held == (tokens * 512 * 4 if held else 0.0)
+    assert outside.logits_gradient_held == (tokens * 512 * 4 / split if split else 0.0)
+    assert outside.logits == tokens / cfg.num_vocab_tiling * 512 / max(split, 1) * 4 * 2
