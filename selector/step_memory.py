@@ -378,7 +378,10 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
     logit_tokens = tokens / max(cfg.num_vocab_tiling, 1)
     logit_bytes = 4 if cfg.logits_dot_in_fp32 else xb
     compiler = traits(cfg.hardware.platform, jax_release(cfg.hardware.jax_version))
-    logits = logit_tokens * cfg.vocab_size / hidden * logit_bytes * (2 if train else 1)
+    # One vocabulary tile of logits on a device, in elements: held in the head's dtype
+    # (with their gradient when training); the gradient alone, where the compiler keeps
+    # it, in the compute dtype.
+    logit_elements = logit_tokens * cfg.vocab_size / hidden
     # The logits' gradient outlives the loss where the compiler keeps it under context
     # parallelism, on one slice where it all-gathers the weights (not where it gathers
     # them by an all-reduce: measured at 64 chips, none held; across slices not
@@ -401,8 +404,8 @@ def step_outside(cfg: Config, mesh: MeshView, dev: PerDevice) -> StepOutside:
         layer_other_params=other - outside / non_expert_shards(mesh),
         kv_cache=kv_cache,
         saved_activations=tokens * saved_per_token(cfg, params) * xb if train else 0.0,
-        logits=logits,
-        logits_gradient_held=tokens * cfg.vocab_size / hidden * xb if held else 0.0,
+        logits=logit_elements * logit_bytes * (2 if train else 1),
+        logits_gradient_held=logit_elements * xb if held else 0.0,
         attention_peak=attention_peak(cfg, mesh, tokens, train, params),
         dense_ffn_peak=dense_ffn_peak(cfg, mesh, tokens, train, params),
         all_reduce_other=largest_other_matrix(cfg, params) * xb if all_reduce else 0.0,

@@ -1,23 +1,27 @@
-"""How long XLA:TPU keeps the loss's logits gradient in MaxText's train step.
+"""How long XLA:TPU keeps the loss's logits gradient in MaxText's train step, and what
+one layer's backward holds beside it.
 
 The whole-step count took the step's largest transient as the larger of the loss's
 logits (with their gradient) and one layer's backward, as if the logits' gradient were
 gone before the layers' backward starts. This study compiles MaxText 0.2.5's own train
 step ahead of time for v5p (`train_compile`, in the 3.12 virtualenv, with
 `XLA_FLAGS=--xla_dump_to`) at four decoder layers, points in no judge set, and reads
-the live-range report's breakdown at the heap's peak: where the peak is (inside the
-layers' backward loop, `transpose(jvp())/while`, or not), and which top-level buffer
-of the logits' gradient's size is live there.
+the live-range report's breakdown at the heap's peak: whether the peak is inside the
+layers' backward loop (`transpose(jvp())/while`), which top-level buffer of the
+backward the size of the logits' gradient is live there, and the loop's own buffers.
 
-Read from it: in every program whose peak is inside the layers' backward, the logits'
-gradient in the head's dtype (tokens x vocabulary / the hidden axes' devices) is live
-beside the layer (XLA schedules the head's weight gradient, which reads it, after the
-loop). `Traits.logits_gradient_held` holds the law; a test reads the stored rows.
+Read from it: the gradient (in the compute dtype, whatever the head's) is live through
+the layers' backward at cp 2 and more on 8 and 16 chips, and not at cp 1, with tiled
+logits, or on a whole slice of 64 chips; `Traits.logits_gradient_held_from_cp` holds
+the law, and a test reads the stored rows. The loop's buffers, by kind, are the data
+for counting MaxText's own MoE layer (docs/results/whole-step.md).
 
     python -m bench.calibration.logits_lifetime --venv /work/venv312
+    python -m bench.calibration.logits_lifetime --re-estimate   # recount the stored rows
 
-Each compile takes 2 to 4 minutes on 2 cores; the parsed rows are written to
-bench/results/logits_lifetime.json (and the PNG); the dumps are deleted.
+Each compile takes 1 to 4 minutes on 2 cores; the parsed rows are written to
+bench/results/logits_lifetime.json (and the PNG) as each compiles; the dumps are
+deleted.
 """
 
 from __future__ import annotations
@@ -35,9 +39,7 @@ from bench.common import RESULTS, pyplot, save, table
 STUDY = "logits_lifetime"
 GIB = 2**30
 LAYERS = "override_model_config=true:base_num_decoder_layers=4"
-# MODEL:CP:TOPOLOGY:KEY=VALUE... (maxtext_step's point syntax), four decoder layers
-# each: tokens a device from 4k to 32k, cp 1 and 4, the logits' dtype and tiling, a
-# small vocabulary (Mixtral's 32k words) and DeepSeek-V3's MLA on 64 chips.
+# MODEL:CP:TOPOLOGY:KEY=VALUE... (maxtext_step's point syntax), four decoder layers each.
 POINTS = (
     # cp 1: tokens a device from 4k to 32k, 8 and 16 chips, the logits' dtype and
     # tiling, a small vocabulary (Mixtral's 32k words)
@@ -80,44 +82,55 @@ COLUMNS = [
     ("estimate_gib", "estimate GiB"),
     ("error", "error"),
 ]
-# A top-level entry of the live-range report's peak breakdown: "├── NAME (p%, total: N bytes".
-ENTRY = re.compile(r"^      [├└]── (.*?) \([\d.]+%, total: ([\d ]+) bytes")
+# A line of the live-range report's breakdown of the peak: its indentation, name, the
+# bytes under it and the bytes it holds itself.
+NODE = re.compile(
+    r"^([\s│]*)[├└]── (.*?) \([\d.]+%, total: ([\d ]+) bytes, current: ([\d ]+) bytes"
+)
+TOP = 6  # the indentation of a top-level entry
 BACKWARD = "jit(train_step)/transpose(jvp())"
 LOOP = f"{BACKWARD}/while"
 # maxtext_step's run-wide defaults, which every point here overrides.
 BATCH = {"per_device_batch_size": 1, "max_target_length": 4096}
 
 
+def breakdown(live_range: str) -> list[tuple[int, str, int, int]]:
+    """(indentation, name, bytes under it, bytes it holds) of each line of the
+    live-range report's breakdown of the heap's peak."""
+    start = live_range.index("Stack trace breakdown for peak usage")
+    nodes = (NODE.match(line) for line in live_range[start:].splitlines()[2:])
+    return [
+        (
+            len(m.group(1)),
+            m.group(2),
+            int(m.group(3).replace(" ", "")),
+            int(m.group(4).replace(" ", "")),
+        )
+        for m in nodes
+        if m
+    ]
+
+
 def peak_entries(live_range: str) -> list[tuple[str, int]]:
     """The top-level (name, bytes) entries of the live-range report's breakdown of the
     heap's peak."""
-    start = live_range.index("Stack trace breakdown for peak usage")
-    out = []
-    for line in live_range[start:].splitlines()[2:]:
-        m = ENTRY.match(line)
-        if m:
-            out.append((m.group(1), int(m.group(2).replace(" ", ""))))
-    return out
+    return [(name, total) for depth, name, total, _ in breakdown(live_range) if depth == TOP]
 
 
-# Any line of the breakdown: its indentation, name and the bytes it holds itself.
-NODE = re.compile(r"^([\s│]*)[├└]── (.*?) \([\d.]+%, total: [\d ]+ bytes, current: ([\d ]+) bytes")
+def tail(name: str) -> str:
+    """The last three parts of an operation's name, as the tables show it."""
+    return "/".join(name.split("/")[-3:])
 
 
 def loop_leaves(live_range: str, least: int = 2**26) -> list[tuple[str, int]]:
     """The buffers of at least `least` bytes live at the heap's peak inside the layers'
-    backward loop, (the last three parts of the name, bytes), in the report's order."""
-    start = live_range.index("Stack trace breakdown for peak usage")
+    backward loop, (`tail` of the name, bytes), in the report's order."""
     out, inside = [], False
-    for line in live_range[start:].splitlines()[2:]:
-        m = NODE.match(line)
-        if not m:
-            continue
-        name, held = m.group(2), int(m.group(3).replace(" ", ""))
-        if len(m.group(1)) == 6:  # a top-level entry: the loop, or something beside it
+    for depth, name, _, held in breakdown(live_range):
+        if depth == TOP:  # a top-level entry: the loop, or something beside it
             inside = name.endswith(LOOP)
         elif inside and held >= least:
-            out.append(("/".join(name.split("/")[-3:]), held))
+            out.append((tail(name), held))
     return out
 
 
@@ -195,7 +208,7 @@ def with_estimate(row: dict, est: dict) -> dict:
         "breakdown": est["device_breakdown"],
         "logits_gradient_gib": gradient / GIB,
         "held_gib": held_like(row["entries"], gradient) / GIB,
-        "counted_held_gib": est["device_breakdown"].get("logits_gradient_held", 0.0) / GIB,
+        "counted_held_gib": est["device_breakdown"]["logits_gradient_held"] / GIB,
         "estimate_gib": est["device_bytes"] / GIB,
         "error": f"{est['device_bytes'] / GIB / row['peak_gib'] - 1:+.1%}",
     }
@@ -241,7 +254,7 @@ def loop_buffers(row: dict) -> list[tuple[str, int]]:
     the loop's entry (`loop_entries`) and those the report lists at its top level with
     the loop's name (DeepSeek-V3's psum and grouped matmul, for one)."""
     top = [
-        ("/".join(name.split("/")[-3:]), held)
+        (tail(name), held)
         for name, held in row["entries"]
         if LOOP in name and not name.endswith(LOOP)
     ]
@@ -299,10 +312,7 @@ def plot(rows: list[dict]):
     )
     ax.set_xticks(list(xs))
     ax.set_xticklabels(
-        [
-            r["point"].split(":override")[0] + "\n" + r["point"].split("layers=4:")[-1]
-            for r in shown
-        ],
+        [short(r["point"]) for r in shown],
         fontsize=6,
         rotation=20,
         ha="right",

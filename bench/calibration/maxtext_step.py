@@ -167,11 +167,11 @@ def compile_point(python: str, base: str, point: dict, args, cache: dict) -> dic
     print(f"[{point['label']}] compiling (timeout {timeout} s): {key}", flush=True)
     start = time.monotonic()
     ran = run_train_compile(python, cmd_tail, timeout, args.workdir)
-    text = ran[0] if ran else ""
     if ran is None:
-        result = {"status": "timeout", "message": f"no result within {timeout} s"}
+        text, result = "", {"status": "timeout", "message": f"no result within {timeout} s"}
     else:
-        result = {**parse_log(text), "returncode": ran[1]}
+        text, code = ran
+        result = {**parse_log(text), "returncode": code}
     result["compile_s"] = round(time.monotonic() - start, 1)
     result["command"] = key
     if args.logs:
